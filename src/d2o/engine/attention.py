@@ -1,0 +1,132 @@
+"""The attention function d2o registers with transformers.
+
+transformers builds one causal mask per forward pass, sized for layer 0, and reads it at
+``kv_offset + slot``: after eviction that matches the kept tokens only by chance, and layers of
+different lengths cannot take a multi-token input at all. So d2o registers a mask function that
+passes the model's 2D padding mask through unchanged, and this attention function builds each
+layer's own mask: slot validity kept by the cache layer, plus a bottom-right-aligned causal
+block over the new tokens. The output comes from transformers' own SDPA (or eager) function, so
+without compression the logits are those of the stock model. Statistics the method asks for are
+computed exactly in query chunks (see ``stats``), and after the last layer the cache compresses.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface
+from transformers.models.llama.modeling_llama import eager_attention_forward
+
+from d2o.engine.cache import claim_active_layer
+from d2o.engine.stats import allowed_keys, attention_stats
+from d2o.errors import D2OError
+
+# Model families whose attention calls `cache.update` then the registered attention function on
+# unrepeated KV heads, with keys after RoPE (checked in the tests with tiny random models).
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+ATTENTION_NAMES = {"sdpa": "d2o_sdpa", "eager": "d2o_eager"}
+
+
+def _padding_mask(attention_mask=None, **_) -> torch.Tensor | None:
+    """Mask function: the 2D padding mask (B, seen + q) as given, or None when nothing is padded."""
+    if attention_mask is not None and attention_mask.dim() == 2:
+        return None if bool(attention_mask.all()) else attention_mask.bool()
+    return attention_mask
+
+
+def _make_attention(backend: str):
+    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        layer = claim_active_layer(key)
+        if attention_mask is not None and attention_mask.dim() != 2:
+            raise D2OError("d2o's attention takes a 2D padding mask (batch, tokens); a prepared 4D mask is not supported")
+        n_query, n_keys = query.shape[2], key.shape[2]
+        batch = query.shape[0]
+        padding = attention_mask
+        if layer is not None:
+            new_valid = padding[:, -n_query:] if padding is not None else query.new_ones((batch, n_query), dtype=torch.bool)
+            layer.admit(new_valid)
+            kv_valid = layer.valid
+            positions = layer.token_index
+        else:  # no d2o cache (plain DynamicCache, or none): slots are the padded token stream
+            kv_valid = padding[:, -n_keys:] if padding is not None else query.new_ones((batch, n_keys), dtype=torch.bool)
+            new_valid = kv_valid[:, -n_query:]
+            positions = None
+        window_mask = _sliding_window(kwargs.get("sliding_window"), kv_valid, positions, n_query, module)
+        scaling = module.scaling if scaling is None else scaling
+
+        mask = None
+        simple = window_mask is None and bool(kv_valid.all())
+        if not simple or (backend == "eager" and n_query > 1) or n_query not in (1, n_keys):
+            mask = allowed_keys(kv_valid, 0, n_query, n_query, n_keys, window_mask)  # (B, 1|G, q, N)
+            if mask.shape[1] > 1:  # per-KV-head sliding window: one mask per query head
+                mask = repeat_kv(mask, module.num_key_value_groups)
+        if backend == "eager":
+            if mask is not None:
+                mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill_(
+                    ~mask, torch.finfo(query.dtype).min
+                )
+            output, _ = eager_attention_forward(module, query, key, value, mask, scaling=scaling, dropout=dropout)
+        else:
+            output, _ = sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling)
+
+        if layer is not None:
+            cache = layer.cache
+            request = cache.method.stats_request(layer, n_query)
+            if request is not None:
+                stats = attention_stats(query, key, kv_valid, new_valid, scaling, request, window_mask)
+                cache.method.observe(layer, stats)
+            if layer.layer_idx == len(cache.layers) - 1:
+                cache.end_of_forward()
+        return output, None
+
+    attention.__name__ = f"d2o_{backend}_attention"
+    return attention
+
+
+def _sliding_window(window, kv_valid, positions, n_query, module):
+    """A callable adding a sliding window to `allowed_keys`, or None when the window changes nothing."""
+    if window is None:
+        return None
+    n_keys = kv_valid.shape[-1]
+    if positions is None:  # slots are the token stream itself
+        positions = torch.arange(n_keys, device=kv_valid.device).expand(kv_valid.shape[0], 1, n_keys)
+    query_pos = positions[:, :1, n_keys - n_query :]  # new tokens hold the same index in every head
+    newest = query_pos.max()
+    if bool(newest - positions.masked_fill(positions < 0, newest).min() < window):
+        return None
+
+    def mask(q_start: int, q_end: int, n_visible: int) -> torch.Tensor:
+        distance = query_pos[:, :, q_start:q_end, None] - positions[:, :, None, :n_visible]
+        return distance < window  # (B, G, c, n_visible)
+
+    return mask
+
+
+def register() -> None:
+    """Register d2o's attention and mask functions with transformers (idempotent)."""
+    for backend, name in ATTENTION_NAMES.items():
+        AttentionInterface.register(name, _make_attention(backend))
+        AttentionMaskInterface.register(name, _padding_mask)
+
+
+def install(model, backend: str | None = None) -> None:
+    """Route ``model``'s attention through d2o's hook; ``backend`` is "sdpa" (default) or "eager".
+
+    Outputs are unchanged (the same kernels compute them); only a ``CompressedCache`` compresses.
+    """
+    config = model.config.get_text_config()
+    family = getattr(config, "model_type", None)
+    if family not in SUPPORTED_FAMILIES:
+        raise D2OError(
+            f"model family {family!r} is not supported: d2o hooks the attention of {', '.join(SUPPORTED_FAMILIES)}"
+        )
+    current = config._attn_implementation
+    if backend is None:
+        if current in ATTENTION_NAMES.values():
+            return
+        backend = "eager" if current == "eager" else "sdpa"
+    if backend not in ATTENTION_NAMES:
+        raise D2OError(f"attention backend {backend!r} is not supported: choose sdpa or eager")
+    register()
+    model.set_attn_implementation(ATTENTION_NAMES[backend])

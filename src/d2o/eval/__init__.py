@@ -1,0 +1,1 @@
+"""Evaluation: tasks on real data, metrics, and sweeps that share one prefill among methods."""

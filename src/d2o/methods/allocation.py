@@ -1,0 +1,146 @@
+"""Layer-level allocation: how a total KV budget is shared among layers.
+
+An allocation gives each layer a non-negative weight (per row of the batch); ``conserve`` turns
+weights into integer budgets proportional to them, clamped to [lower, upper] with what a clamp
+cuts off redistributed to the unclamped layers, so the total is met exactly and every method is
+compared at the same memory. Strategies: uniform (H2O, SnapKV...), pyramid (PyramidKV),
+exponential decay over depth, and D2O's inverse-variance softmax.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from d2o.errors import D2OError
+
+if TYPE_CHECKING:
+    from d2o.engine.cache import CompressedCache
+
+
+class Allocation:
+    """Base: equal weights. Subclasses override ``layer_weights``."""
+
+    def weights(self, cache: CompressedCache, layers: list[int]) -> torch.Tensor:
+        """(B, len(layers)) non-negative weights of the compressed ``layers``."""
+        batch = cache.layers[0].real_seen.shape[0]
+        return self.layer_weights(len(layers)).double().expand(batch, -1)
+
+    def layer_weights(self, n_layers: int) -> torch.Tensor:
+        return torch.ones(n_layers)
+
+    def lower(self, prompt_tokens: int) -> int:
+        """Smallest budget of a layer for a prompt of ``prompt_tokens`` (the method's own minimum aside)."""
+        return 0
+
+
+@dataclass
+class Uniform(Allocation):
+    """The same budget in every layer."""
+
+
+@dataclass
+class Pyramid(Allocation):
+    """PyramidKV (Cai et al. 2024): budgets fall linearly with depth, keeping the mean.
+
+    The deepest layer gets ``1/beta`` of the mean and the first ``2 - 1/beta`` (beta = 20 in the paper).
+    """
+
+    beta: float = 20.0
+
+    def __post_init__(self):
+        if self.beta < 1:
+            raise D2OError(f"beta={self.beta!r} must be >= 1 (the deepest layer gets 1/beta of the mean)")
+
+    def layer_weights(self, n_layers: int) -> torch.Tensor:
+        low = 1.0 / self.beta
+        return torch.linspace(2.0 - low, low, n_layers) if n_layers > 1 else torch.ones(1)
+
+
+@dataclass
+class ExponentialDecay(Allocation):
+    """Budgets proportional to exp(-rate * depth), depth from 0 (first layer) to 1 (last)."""
+
+    rate: float = 2.0
+
+    def __post_init__(self):
+        if self.rate < 0:
+            raise D2OError(f"rate={self.rate!r} must be >= 0")
+
+    def layer_weights(self, n_layers: int) -> torch.Tensor:
+        return torch.exp(-self.rate * torch.linspace(0.0, 1.0, n_layers))
+
+
+@dataclass
+class InverseVariance(Allocation):
+    """D2O's layer level: weights softmax(-F_l), F_l the layer's attention density statistic.
+
+    Per query head h, v_h is the variance over the prompt's tokens of the attention they received
+    (column mass); v is min-max normalised over the layer's heads and F_l is its mean, in [0, 1).
+    Dense layers (low F) get more cache. Reads the ``mass`` slot state that attention-accumulating
+    methods keep; ``r_min`` is the smallest share of the prompt a layer keeps.
+    """
+
+    r_min: float = 0.01
+
+    def __post_init__(self):
+        if not 0.0 <= self.r_min < 1.0:
+            raise D2OError(f"r_min={self.r_min!r} must be in [0, 1)")
+
+    def weights(self, cache: CompressedCache, layers: list[int]) -> torch.Tensor:
+        density = torch.stack([layer_density(cache.layers[i]) for i in layers], dim=-1)
+        return torch.softmax(-density.double(), dim=-1)
+
+    def lower(self, prompt_tokens: int) -> int:
+        return math.floor(self.r_min * prompt_tokens)
+
+
+def layer_density(layer) -> torch.Tensor:
+    """F_l per row (B,): mean over query heads of the min-max normalised variance of column mass."""
+    mass = layer.slot_state.get("mass")
+    if mass is None:
+        raise D2OError("inverse-variance allocation needs a method that accumulates attention (h2o, d2o, cam)")
+    valid = layer.valid[:, None, :, None].to(mass.dtype)  # (B, 1, N, 1)
+    count = valid.sum(2).clamp_min(2)
+    mean = (mass * valid).sum(2) / count
+    variance = (((mass - mean[:, :, None]) * valid) ** 2).sum(2) / (count - 1)  # (B, G, group)
+    variance = variance.flatten(1)  # (B, H)
+    low, high = variance.amin(-1, keepdim=True), variance.amax(-1, keepdim=True)
+    return ((variance - low) / (high - low + 1e-6)).mean(-1)
+
+
+def conserve(weights: torch.Tensor, total: int, lower: int, upper: int | None) -> list[int]:
+    """Integer budgets proportional to ``weights`` within [lower, upper], summing to ``total``.
+
+    The shares are clamp(scale * weight, lower, upper) with the one ``scale`` that makes them sum
+    to ``total`` (found by bisection: the sum grows with the scale), so what a clamp cuts off goes
+    to the unclamped layers in proportion; largest-remainder rounding then meets ``total`` exactly.
+    """
+    n = len(weights)
+    weights = weights.double().clamp_min(0)
+    if not weights.sum() > 0:
+        weights = torch.ones_like(weights)
+    if total < n * lower or (upper is not None and total > n * upper):
+        raise D2OError(f"cannot share {total} tokens among {n} layers with {lower} to {upper} each")
+    ceiling = float("inf") if upper is None else float(upper)
+
+    def shares(scale: float) -> torch.Tensor:
+        return (weights * scale).clamp(float(lower), ceiling)
+
+    low, high = 0.0, 1.0
+    while shares(high).sum().item() < total:
+        high *= 2.0
+    for _ in range(200):
+        middle = (low + high) / 2.0
+        low, high = (middle, high) if shares(middle).sum().item() < total else (low, middle)
+    exact = shares(high)
+    budgets = exact.floor()
+    missing = int(round(total - budgets.sum().item()))
+    fraction = exact - budgets
+    fraction[budgets >= ceiling] = -1.0  # a pinned layer cannot take another token
+    if missing > 0:
+        budgets[fraction.topk(missing).indices] += 1
+    return [int(b) for b in budgets.tolist()]

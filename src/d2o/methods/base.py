@@ -1,0 +1,179 @@
+"""The method interface: what a compression policy tells the engine, and the registry of methods.
+
+A method is a stateless configuration (a dataclass): all state lives in the cache layers, so one
+method object can serve any number of caches and nothing leaks from one sequence to the next.
+The engine asks it, in order:
+
+1. ``stats_request(layer, n_query)``: which attention statistics to compute in this pass;
+2. ``observe(layer, stats)``: fold them into per-slot state (``layer.slot_state``);
+3. ``allocate(cache, totals)``: once, each layer's budget per row, (B, L), summing to ``totals``;
+4. ``score(layer)``: a (B, kv_heads, slots) tensor, higher = keep;
+5. ``protected(layer, target)``: (B, kv_heads, slots) bool, slots kept whatever their score;
+6. ``merge`` (optional component): what becomes of the evicted slots.
+
+The engine then keeps, per row and KV head, the protected slots and the best-scoring others.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Callable, ClassVar, Protocol
+
+import torch
+
+from d2o.engine.cache import UNLIMITED
+from d2o.engine.stats import AttentionStats, StatsRequest
+from d2o.errors import D2OError
+from d2o.methods.allocation import Allocation, Uniform, conserve
+
+if TYPE_CHECKING:
+    from d2o.engine.cache import CompressedCache, CompressedLayer
+
+
+class Merge(Protocol):
+    """What happens to evicted slots: folded into kept ones instead of being dropped."""
+
+    def merge(
+        self,
+        layer: CompressedLayer,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        keep_valid: torch.Tensor,
+        evict: torch.Tensor,
+        evict_valid: torch.Tensor,
+    ) -> torch.Tensor:
+        """Fold the evicted slots ``evict`` (B, G, E) of ``layer`` into the kept ``keys``/``values``
+        (B, G, K, D, modified in place); return how many (token, KV head) pairs were merged per row."""
+
+
+@dataclass
+class Method:
+    """Base class of every compression method; subclasses set ``name`` and ``summary``.
+
+    ``n_sinks``: the first tokens of every row, always kept. ``allocation``: how the total budget
+    is shared among layers. ``exempt_layers``: layers never compressed (what they hold counts
+    against the total). ``merge``: None, or a component folding evicted slots into kept ones.
+    """
+
+    name: ClassVar[str] = ""
+    summary: ClassVar[str] = ""
+    # Compression starts after this many forward passes (1: at the end of the prefill).
+    compress_after_forward: ClassVar[int] = 1
+    # False: compress once, then let the cache grow with new tokens (SnapKV-style methods).
+    evicts_during_decode: ClassVar[bool] = True
+
+    n_sinks: int = 0
+    allocation: Allocation = field(default_factory=Uniform)
+    exempt_layers: tuple[int, ...] = ()
+    merge: Merge | None = None
+
+    def __post_init__(self):
+        check(self.n_sinks >= 0, "n_sinks", self.n_sinks, "must be >= 0")
+        self.exempt_layers = tuple(self.exempt_layers)
+
+    # -- statistics -----------------------------------------------------------------------------
+    def stats_request(self, layer: CompressedLayer, n_query: int) -> StatsRequest | None:
+        return None
+
+    def observe(self, layer: CompressedLayer, stats: AttentionStats) -> None:
+        pass
+
+    # -- budgets --------------------------------------------------------------------------------
+    @property
+    def min_layer_budget(self) -> int:
+        """The smallest budget a layer can have under this method (its protected slots + 1)."""
+        return self.n_sinks + 1
+
+    def allocate(self, cache: CompressedCache, totals: torch.Tensor) -> torch.Tensor:
+        """Per-row, per-layer budgets (B, L) summing to ``totals`` (B,) over all layers."""
+        n_layers = cache.n_layers
+        for index in self.exempt_layers:
+            check(-n_layers <= index < n_layers, "exempt_layers", index, f"is not a layer of this {n_layers}-layer model")
+        exempt = sorted({index % n_layers for index in self.exempt_layers})
+        active = [i for i in range(n_layers) if i not in exempt]
+        prompt = cache.layers[0].real_seen
+        weights = self.allocation.weights(cache, active).double()  # (B, len(active))
+        budgets = torch.full((len(prompt), n_layers), UNLIMITED, dtype=torch.long)
+        for row, (length, total) in enumerate(zip(prompt.tolist(), totals.tolist())):
+            total -= len(exempt) * length  # exempt layers hold the whole prompt
+            if total >= len(active) * length:  # the budget covers the prompt: nothing to evict yet
+                shares = conserve(weights[row], total, self.min_layer_budget, upper=None)
+            else:
+                if total < len(active) * self.min_layer_budget:
+                    raise D2OError(
+                        f"budget {cache.budget} leaves {max(total, 0) / max(len(active), 1):.1f} tokens per layer for a "
+                        f"{length}-token prompt; {self.name} needs at least {self.min_layer_budget} "
+                        f"({self.n_sinks} sinks + 1)"
+                    )
+                shares = conserve(
+                    weights[row], total, max(self.min_layer_budget, self.allocation.lower(length)), upper=length
+                )
+            budgets[row, active] = torch.tensor(shares, dtype=torch.long)
+        return budgets
+
+    # -- eviction -------------------------------------------------------------------------------
+    def score(self, layer: CompressedLayer) -> torch.Tensor:
+        raise NotImplementedError
+
+    def n_recent(self, target: torch.Tensor) -> torch.Tensor:
+        """(B,) how many of the newest tokens to protect when a layer keeps ``target`` tokens."""
+        return torch.zeros_like(target)
+
+    def protected(self, layer: CompressedLayer, target: torch.Tensor) -> torch.Tensor:
+        """Sinks and the recent window: (B, G, N) bool."""
+        index = layer.token_index
+        recent_from = layer.real_seen - self.n_recent(target)
+        return (index >= 0) & ((index < self.n_sinks) | (index >= recent_from[:, None, None]))
+
+    @classmethod
+    def describe(cls) -> str:
+        return cls.summary
+
+
+def check(ok: bool, parameter: str, value, requirement: str) -> None:
+    """Raise a D2OError naming the parameter when a method option is out of range."""
+    if not ok:
+        raise D2OError(f"{parameter}={value!r} {requirement}")
+
+
+def accumulate_mass(layer: CompressedLayer, stats: AttentionStats) -> None:
+    """Add this pass's column mass to the slot state ``mass`` (B, G, N, group), float32."""
+    mass = stats.column_mass.permute(0, 1, 3, 2)
+    if "mass" in layer.slot_state:
+        layer.slot_state["mass"] += mass
+    else:
+        layer.slot_state["mass"] = mass.contiguous()
+
+
+# -- registry -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    summary: str
+    build: Callable[..., Method]
+
+
+REGISTRY: dict[str, Entry] = {}
+
+
+def register(cls: type[Method]) -> type[Method]:
+    """Class decorator: make a method available by its ``name``."""
+    REGISTRY[cls.name] = Entry(cls.name, cls.summary, cls)
+    return cls
+
+
+def register_variant(name: str, summary: str, build: Callable[..., Method]) -> None:
+    """A named configuration of a method (an ablation, a parity preset)."""
+    REGISTRY[name] = Entry(name, summary, build)
+
+
+def get_method(name: str, **options) -> Method:
+    """Build the method registered as ``name`` with ``options`` overriding its defaults."""
+    entry = REGISTRY.get(name)
+    if entry is None:
+        raise D2OError(f"unknown method {name!r}; choose one of: {', '.join(sorted(REGISTRY))}")
+    try:
+        return entry.build(**options)
+    except TypeError as error:
+        names = [f.name for f in fields(entry.build)] if isinstance(entry.build, type) else []
+        raise D2OError(f"bad option for method {name!r} ({error}); options: {', '.join(names)}") from None

@@ -1,0 +1,102 @@
+"""D2O's token level compensation: evicted tokens merged into their most similar kept token.
+
+For every evicted slot e (per KV head): its best cosine similarity m_e with a kept key (keys as
+cached, after RoPE) and that kept slot c*(e). A threshold tau, one per layer and per row, follows
+an exponential moving average of the mean best similarity of each eviction's tokens (first
+value: that mean; then tau <- alpha * tau + (1 - alpha) * mean); e is merged into c*(e) when
+m_e >= tau. Paper weights, for a kept c with merged set E_c (e = Euler's number):
+    w_e = exp(m_e) / (sum_{E_c} exp(m_e') + e),  w_c = e / (sum_{E_c} exp(m_e') + e),
+a convex combination applied to keys and values alike. tau lives in the cache layer, so it
+starts afresh with every cache (the released code carries it from one prompt to the next).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from d2o.engine.stats import CHUNK_ELEMENTS
+from d2o.errors import D2OError
+
+SIMILARITY_ON = ("key", "value")
+WEIGHTINGS = ("paper", "official")
+DECISIONS = ("per_head", "mean_over_heads")
+
+
+@dataclass
+class SimilarityMerge:
+    """``on``: similarity of keys (paper's choice) or values; ``weighting``: the paper's convex
+    weights or the released code's ``(k_c + sum m_e k_e) / (1 + |E_c|)``; ``decision``: merge
+    per KV head, or per token on its similarity averaged over heads (released code)."""
+
+    alpha: float = 0.5
+    on: str = "key"
+    weighting: str = "paper"
+    decision: str = "per_head"
+
+    def __post_init__(self):
+        if not 0.0 <= self.alpha <= 1.0:
+            raise D2OError(f"alpha={self.alpha!r} must be in [0, 1]")
+        for name, value, allowed in (("on", self.on, SIMILARITY_ON), ("weighting", self.weighting, WEIGHTINGS),
+                                     ("decision", self.decision, DECISIONS)):
+            if value not in allowed:
+                raise D2OError(f"{name}={value!r} must be one of {', '.join(allowed)}")
+
+    def merge(self, layer, keys, values, keep_valid, evict, evict_valid) -> torch.Tensor:
+        batch, heads, width = evict.shape
+        if width == 0:
+            return torch.zeros(batch, dtype=torch.long, device=keys.device)
+        gone_keys, gone_values = layer.gather_kv(evict)
+        kept_basis, gone_basis = (keys, gone_keys) if self.on == "key" else (values, gone_values)
+        best, target = most_similar(gone_basis, kept_basis, keep_valid)  # (B, G, E)
+        gone = evict_valid[:, None, :]  # (B, 1, E)
+
+        # One threshold per row: EMA of the mean best similarity over heads and evicted tokens.
+        count = evict_valid.sum(-1) * heads
+        mean_best = (best * gone).sum((1, 2)) / count.clamp_min(1)
+        previous = layer.layer_state.get("tau")
+        tau = mean_best if previous is None else self.alpha * previous + (1 - self.alpha) * mean_best
+        if previous is not None:
+            tau = torch.where(count > 0, tau, previous)
+        layer.layer_state["tau"] = tau
+        layer.layer_state.setdefault("tau_history", []).append(tau)
+
+        if self.decision == "per_head":
+            merged = (best >= tau[:, None, None]) & gone
+        else:
+            merged = ((best * gone).mean(1, keepdim=True) >= tau[:, None, None]) & gone
+            merged = merged.expand_as(best)
+
+        if self.weighting == "paper":
+            source_weight = torch.where(merged, best.exp(), 0.0)
+            self_weight = math.e
+        else:
+            source_weight = torch.where(merged, best, 0.0)
+            self_weight = 1.0
+        denominator = torch.full(keys.shape[:3], self_weight, dtype=torch.float32, device=keys.device)
+        counts = merged.float() if self.weighting == "official" else source_weight
+        denominator.scatter_add_(2, target, counts)
+        for kept, sources in ((keys, gone_keys), (values, gone_values)):
+            numerator = kept.float() * self_weight
+            contribution = sources.float() * source_weight[..., None]
+            numerator.scatter_add_(2, target[..., None].expand_as(contribution), contribution)
+            kept.copy_(numerator / denominator[..., None])
+        return merged.sum((1, 2))
+
+
+def most_similar(sources: torch.Tensor, targets: torch.Tensor, target_valid: torch.Tensor):
+    """Best cosine similarity of each source (B, G, E, D) with a valid target (B, G, K, D), and its index."""
+    sources = torch.nn.functional.normalize(sources.float(), dim=-1)
+    targets_t = torch.nn.functional.normalize(targets.float(), dim=-1).transpose(-1, -2)
+    invalid = ~target_valid[:, None, None, :]
+    batch, heads, n_sources, _ = sources.shape
+    chunk = max(1, CHUNK_ELEMENTS // max(1, batch * heads * targets.shape[2]))
+    best, index = [], []
+    for start in range(0, n_sources, chunk):
+        similarity = torch.matmul(sources[:, :, start : start + chunk], targets_t).masked_fill_(invalid, -2.0)
+        values, indices = similarity.max(dim=-1)
+        best.append(values)
+        index.append(indices)
+    return torch.cat(best, dim=-1), torch.cat(index, dim=-1)

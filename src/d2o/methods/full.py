@@ -1,0 +1,22 @@
+"""Full cache: no compression, the reference every method is measured against."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from d2o.engine.cache import UNLIMITED
+from d2o.methods.base import Method, register
+
+
+@register
+@dataclass
+class Full(Method):
+    """Keeps every token (the budget is ignored); reports the same statistics as the others."""
+
+    name = "full"
+    summary = "no compression: every token is kept (the reference)"
+
+    def allocate(self, cache, totals: torch.Tensor) -> torch.Tensor:
+        return torch.full((len(totals), cache.n_layers), UNLIMITED, dtype=torch.long)

@@ -1,0 +1,46 @@
+"""H2O: heavy hitters plus a recent window (Zhang et al., NeurIPS 2023, arXiv 2306.14048)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from d2o.engine.stats import AttentionStats, StatsRequest
+from d2o.methods.base import Method, accumulate_mass, check, register
+
+
+@register
+@dataclass
+class H2O(Method):
+    """Heavy-Hitter Oracle. A token's score is the attention it has received so far (column
+    mass of the prefill, then every decode query's attention), summed over the query heads of its
+    KV head, in float32. Each layer keeps its ``heavy:recent`` split of the budget (1:1 in the
+    paper): the newest tokens, and the highest-scoring others; from then on every decode step
+    appends one token and evicts one. Same budget in every layer; no sinks in the original.
+    """
+
+    name = "h2o"
+    summary = "heavy hitters (accumulated attention) + recent window, 1:1, evicting at every step"
+
+    split: tuple[int, int] = (1, 1)  # heavy : recent parts of each layer's budget
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.split = tuple(self.split)
+        heavy, recent = self.split
+        check(len(self.split) == 2 and heavy >= 0 and recent >= 0 and heavy + recent > 0, "split", self.split,
+              "must be two non-negative parts, heavy:recent, not both 0")
+
+    def stats_request(self, layer, n_query: int) -> StatsRequest:
+        return StatsRequest(column_mass=True)
+
+    def observe(self, layer, stats: AttentionStats) -> None:
+        accumulate_mass(layer, stats)
+
+    def score(self, layer) -> torch.Tensor:
+        return layer.slot_state["mass"].sum(-1)
+
+    def n_recent(self, target: torch.Tensor) -> torch.Tensor:
+        heavy, recent = self.split
+        return torch.minimum(target * recent // (heavy + recent), target - self.n_sinks).clamp_min(0)

@@ -1,0 +1,71 @@
+"""Shared fixtures: tiny random-weight models of the supported architectures, and the real model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+import d2o
+
+# GQA everywhere: 4 query heads over 2 KV heads.
+SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, initializer_range=0.1)
+ARCHITECTURES = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {}),
+}
+
+
+def tiny_model(arch: str = "llama", dtype=torch.float32, attention: str = "sdpa", seed: int = 0, **overrides):
+    """A random-weight model of ``arch`` with d2o's hook installed (outputs equal the stock model's)."""
+    config_class, model_class, extra = ARCHITECTURES[arch]
+    torch.manual_seed(seed)
+    config = config_class(**{**SHAPE, **extra, **overrides}, attn_implementation="sdpa")
+    model = model_class(config).to(dtype).eval()
+    d2o.install(model, attention)
+    return model
+
+
+def random_ids(n: int, seed: int = 1, batch: int = 1) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, SHAPE["vocab_size"], (batch, n), generator=generator)
+
+
+def left_pad(sequences: list[torch.Tensor], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack 1-D id tensors with left padding; returns ids and the 2D attention mask."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        ids[row, width - len(seq):] = seq
+        mask[row, width - len(seq):] = 1
+    return ids, mask
+
+
+def greedy(model, ids, cache=None, steps: int = 10, mask=None) -> torch.Tensor:
+    """Greedy continuation through transformers' generate (the new tokens only)."""
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=mask if mask is not None else torch.ones_like(ids),
+                             cache=cache, max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
+                             pad_token_id=0)
+    return out[:, ids.shape[1]:]
+
+
+@pytest.fixture(scope="session")
+def real_model():
+    """The embedded SmolLM2-135M-Instruct (converted once into the user cache folder)."""
+    from d2o.models import load_model
+
+    return load_model("smollm2")

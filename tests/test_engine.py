@@ -1,0 +1,206 @@
+"""The engine on tiny random-weight models of every supported architecture."""
+
+import copy
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from d2o import Budget, CompressedCache
+from d2o.engine.cache import UNLIMITED
+
+from conftest import ARCHITECTURES, greedy, left_pad, random_ids, tiny_model
+
+ARCHS = list(ARCHITECTURES)
+
+
+def forward(model, ids, cache, **kwargs):
+    with torch.inference_mode():
+        return model(input_ids=ids, cache=cache, use_cache=True, **kwargs).logits
+
+
+def decode(model, cache, first_logits, steps):
+    """A hand-written greedy loop (no position ids: the model counts them from the cache)."""
+    tokens, logits = [], first_logits
+    for _ in range(steps):
+        token = logits[:, -1].argmax(-1, keepdim=True)
+        tokens.append(token)
+        logits = forward(model, token, cache)
+    return torch.cat(tokens, dim=1), logits
+
+
+def lengths(cache):
+    return [layer.keys.shape[2] for layer in cache.layers]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("budget", [0.1, 0.35, "24t"])
+def test_layers_hold_exactly_their_budgets_after_prefill_and_50_steps(arch, budget):
+    model = tiny_model(arch)
+    prompt = 160
+    cache = CompressedCache(model, "d2o", budget)
+    logits = forward(model, random_ids(prompt), cache)
+    budgets = [int(layer.budget) for layer in cache.layers]
+    assert sum(budgets) == Budget.parse(budget).total(model.config.num_hidden_layers, prompt)
+    assert lengths(cache) == budgets  # the tensors themselves shrank
+    config = model.config
+    per_token = config.num_key_value_heads * config.head_dim * 2 * 4
+    assert cache.nbytes == sum(budgets) * per_token
+    decode(model, cache, logits, 50)
+    assert lengths(cache) == budgets
+    assert [int(layer.n_kept) for layer in cache.layers] == budgets
+    assert cache.get_seq_length() == prompt + 50  # tokens seen, not kept
+    for layer in cache.layers:
+        assert layer.keys.shape[1] == config.num_key_value_heads  # KV heads never repeated
+
+
+def test_sinks_and_recent_window_are_always_kept():
+    model = tiny_model("llama")
+    cache = CompressedCache(model, "d2o", 0.2)
+    logits = forward(model, random_ids(200), cache)
+    for step in range(30):
+        for layer in cache.layers:
+            budget = int(layer.budget)
+            recent = budget // 4  # 3:1 split
+            seen = int(layer.real_seen)
+            for head in range(layer.token_index.shape[1]):
+                kept = set(layer.token_index[0, head].tolist())
+                assert set(range(4)) <= kept
+                assert set(range(seen - recent, seen)) <= kept
+        _, logits = decode(model, cache, logits, 1)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_budget_one_gives_the_logits_of_the_stock_model(arch, attention):
+    model = tiny_model(arch, attention=attention)
+    ids = random_ids(90)
+    follow = random_ids(20, seed=2)
+    cache = CompressedCache(model, "d2o", 1.0)
+    ours = [forward(model, ids, cache)] + [forward(model, follow[:, i:i + 1], cache) for i in range(20)]
+    model.set_attn_implementation(attention)  # stock transformers, plain cache
+    reference = DynamicCache(config=model.config)
+    stock = [forward(model, ids, reference)] + [forward(model, follow[:, i:i + 1], reference) for i in range(20)]
+    for a, b in zip(ours, stock):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    assert lengths(cache) == [110] * model.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_stays_finite(dtype):
+    model = tiny_model("qwen2", dtype=dtype)
+    cache = CompressedCache(model, "d2o", 0.2)
+    logits = forward(model, random_ids(180), cache)
+    _, logits = decode(model, cache, logits, 30)
+    assert torch.isfinite(logits).all()
+    for layer in cache.layers:
+        assert layer.keys.dtype == dtype
+        assert torch.isfinite(layer.keys).all() and torch.isfinite(layer.values).all()
+        assert layer.slot_state["mass"].dtype == torch.float32  # scores accumulate in float32
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_padded_batch_gives_the_tokens_of_its_prompts_one_by_one(arch):
+    model = tiny_model(arch, dtype=torch.float64)
+    prompts = [random_ids(n, seed=n)[0] for n in (120, 75, 96)]
+    ids, mask = left_pad(prompts)
+    batch_cache = CompressedCache(model, "d2o", 0.3)
+    batched = greedy(model, ids, batch_cache, steps=30, mask=mask)
+    for row, prompt in enumerate(prompts):
+        cache = CompressedCache(model, "d2o", 0.3)
+        alone = greedy(model, prompt[None], cache, steps=30)
+        assert batched[row].tolist() == alone[0].tolist()
+        # Same budgets, same kept tokens in every layer and head; padding never kept.
+        for mine, theirs in zip(batch_cache.layers, cache.layers):
+            assert int(mine.budget[row]) == int(theirs.budget[0])
+            kept = mine.token_index[row]
+            kept = kept[:, kept[0] >= 0]
+            assert sorted(kept[0].tolist()) == sorted(theirs.token_index[0, 0].tolist())
+            assert (kept.sort(-1).values == theirs.token_index[0].sort(-1).values).all()
+
+
+def test_hand_written_loop_equals_generate():
+    model = tiny_model("mistral")
+    ids = random_ids(150)
+    generated = greedy(model, ids, CompressedCache(model, "d2o", 0.25), steps=25)
+    cache = CompressedCache(model, "d2o", 0.25)
+    tokens, _ = decode(model, cache, forward(model, ids, cache), 25)
+    assert tokens.tolist() == generated.tolist()
+
+
+def test_a_multi_token_input_after_compression_sees_the_right_tokens():
+    """A question appended to a compressed context: one forward equals token-by-token feeding."""
+    model = tiny_model("llama", dtype=torch.float64)
+    cache = CompressedCache(model, "d2o", 0.2)
+    forward(model, random_ids(200), cache)
+    assert len(set(lengths(cache))) > 1  # layers of different lengths
+    question = random_ids(9, seed=5)
+    at_once, one_by_one = copy.deepcopy(cache), copy.deepcopy(cache)
+    with at_once.hold():
+        joint = forward(model, question, at_once)
+    with one_by_one.hold():
+        steps = torch.cat([forward(model, question[:, i:i + 1], one_by_one) for i in range(9)], dim=1)
+    torch.testing.assert_close(joint, steps, atol=1e-9, rtol=0)
+    # Without holding, the cache is brought back to its budgets after the multi-token input.
+    forward(model, question, cache)
+    assert lengths(cache) == [int(layer.budget) for layer in cache.layers]
+
+
+def test_a_chunked_prefill_under_hold_compresses_like_one_prefill():
+    model = tiny_model("qwen2", dtype=torch.float64)
+    ids = random_ids(180)
+    whole = CompressedCache(model, "h2o", 0.3)
+    forward(model, ids, whole)
+    chunked = CompressedCache(model, "h2o", 0.3)
+    with chunked.hold():
+        for start in range(0, 180, 60):
+            forward(model, ids[:, start:start + 60], chunked)
+        assert lengths(chunked) == [180] * 4  # nothing evicted while held
+    for a, b in zip(whole.layers, chunked.layers):
+        assert (a.token_index.sort(-1).values == b.token_index.sort(-1).values).all()
+
+
+def test_prompts_within_an_absolute_budget_are_not_compressed_until_they_outgrow_it():
+    model = tiny_model("llama")
+    cache = CompressedCache(model, "h2o", "64t")
+    logits = forward(model, random_ids(40), cache)
+    assert lengths(cache) == [40] * 4
+    decode(model, cache, logits, 30)
+    assert lengths(cache) == [64] * 4
+
+
+def test_sliding_window_layers_are_masked_by_true_token_distance():
+    model = tiny_model("mistral", sliding_window=16)
+    ids = random_ids(60)
+    follow = random_ids(5, seed=3)
+    cache = CompressedCache(model, "full", 1.0)
+    ours = [forward(model, ids, cache)] + [forward(model, follow[:, i:i + 1], cache) for i in range(5)]
+    model.set_attn_implementation("sdpa")
+    reference = DynamicCache(config=model.config)
+    stock = [forward(model, ids, reference)] + [forward(model, follow[:, i:i + 1], reference) for i in range(5)]
+    for a, b in zip(ours, stock):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+def test_exempt_layers_hold_everything_and_count_against_the_total():
+    model = tiny_model("llama")
+    cache = CompressedCache(model, "d2o", 0.7, exempt_layers=(0, -1))
+    forward(model, random_ids(100), cache)
+    budgets = [int(layer.budget) for layer in cache.layers]
+    assert budgets[0] == budgets[-1] == UNLIMITED
+    assert lengths(cache)[0] == lengths(cache)[-1] == 100
+    assert sum(lengths(cache)) == Budget(ratio=0.7).total(4, 100)
+
+
+def test_report_totals_match_the_layers():
+    model = tiny_model("llama")
+    cache = CompressedCache(model, "d2o", 0.25)
+    logits = forward(model, random_ids(120), cache)
+    decode(model, cache, logits, 5)
+    report = cache.report()
+    assert report.kv_tokens_kept == sum(lengths(cache)) == Budget(ratio=0.25).total(4, 120)
+    assert report.kv_tokens_full == 4 * 125
+    assert report.kv_bytes == cache.nbytes
+    assert report.kv_bytes_full == 4 * 125 * 2 * 16 * 2 * 4
+    assert report.layer_budgets == [int(layer.budget) for layer in cache.layers]
+    assert all(len(layer.tau_history) == 6 for layer in report.layers)  # prefill + 5 decode evictions

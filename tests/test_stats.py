@@ -1,0 +1,57 @@
+"""The chunked statistics equal those of the explicit attention matrix."""
+
+import pytest
+import torch
+
+from d2o.engine import stats as stats_module
+from d2o.engine.stats import StatsRequest, attention_stats
+
+
+def explicit_attention(query, key, kv_valid, scaling):
+    """The full (B, H, q, N) probability matrix, the reference the chunks must reproduce."""
+    batch, heads, n_query, _ = query.shape
+    group = heads // key.shape[1]
+    keys = key.repeat_interleave(group, dim=1)
+    scores = query @ keys.transpose(-1, -2) * scaling
+    n_keys = key.shape[2]
+    causal = torch.arange(n_keys)[None, :] <= torch.arange(n_query)[:, None] + (n_keys - n_query)
+    allowed = causal[None, None] & kv_valid[:, None, None, :]
+    return torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+
+
+@pytest.mark.parametrize("chunk_elements", [1, 97, 1 << 23])
+@pytest.mark.parametrize("n_past", [0, 13])
+def test_chunked_stats_equal_the_full_matrix(monkeypatch, chunk_elements, n_past):
+    monkeypatch.setattr(stats_module, "CHUNK_ELEMENTS", chunk_elements)
+    torch.manual_seed(0)
+    batch, heads, kv_heads, n_query, dim = 3, 6, 2, 40, 8
+    n_keys = n_past + n_query
+    query = torch.randn(batch, heads, n_query, dim, dtype=torch.float64)
+    key = torch.randn(batch, kv_heads, n_keys, dim, dtype=torch.float64)
+    kv_valid = torch.ones(batch, n_keys, dtype=torch.bool)
+    kv_valid[1, :7] = False  # left padding in the past and in the new tokens
+    kv_valid[2, : n_past + 11] = False
+    kv_valid[0, 3] = False  # an evicted slot in the middle
+    query_valid = kv_valid[:, n_past:]
+    window = 5
+    got = attention_stats(query, key, kv_valid, query_valid, 0.3, StatsRequest(column_mass=True, window=window))
+
+    probs = explicit_attention(query, key, kv_valid, 0.3).nan_to_num(0.0) * query_valid[:, None, :, None]
+    expected_mass = probs.sum(2).view(batch, kv_heads, heads // kv_heads, n_keys)
+    expected_window = probs[:, :, -window:].reshape(batch, kv_heads, heads // kv_heads, window, n_keys)
+    torch.testing.assert_close(got.column_mass.double(), expected_mass, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(got.window.double(), expected_window, atol=1e-6, rtol=1e-6)
+    # Every real query row is a distribution: the column mass sums to the number of real queries.
+    torch.testing.assert_close(got.column_mass.sum(-1).double(),
+                               query_valid.sum(-1).double()[:, None, None].expand(-1, kv_heads, heads // kv_heads),
+                               atol=1e-5, rtol=1e-6)  # float32 sums of ~40 rows
+
+
+def test_window_only_request_skips_the_mass():
+    query = torch.randn(1, 4, 30, 8)
+    key = torch.randn(1, 2, 30, 8)
+    valid = torch.ones(1, 30, dtype=torch.bool)
+    got = attention_stats(query, key, valid, valid, 0.35, StatsRequest(window=1))
+    assert got.column_mass is None and got.window.shape == (1, 2, 2, 1, 30)
+    expected = explicit_attention(query, key, valid, 0.35)[:, :, -1:]
+    torch.testing.assert_close(got.window.view(1, 4, 1, 30), expected)
