@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-# Scores held at once by one chunk (float32 elements): about 32 MB.
-CHUNK_ELEMENTS = 1 << 23
+# Scores held at once by one chunk (float32 elements): 8 MB, small enough to stay in cache.
+CHUNK_ELEMENTS = 1 << 21
 
 
 @dataclass(frozen=True)
@@ -67,38 +67,47 @@ def attention_stats(
     """Compute ``request`` for queries (B, H, q, D) over keys (B, G, N, D), exactly, in query chunks.
 
     ``kv_valid`` (B, N) marks real slots (the last q are the queries' own), ``query_valid`` (B, q)
-    real queries: padding queries contribute nothing.
+    real queries: padding queries contribute nothing. Each chunk is one plain matrix product per
+    row and KV head (the query heads of a group stacked), restricted to the keys its rows can see.
     """
     batch, heads, n_query, dim = query.shape
     kv_heads, n_keys = key.shape[1], key.shape[2]
     group = heads // kv_heads
     past = n_keys - n_query
-    keys_t = key.float().transpose(-1, -2)  # (B, G, D, N)
-    queries = query.float().view(batch, kv_heads, group, n_query, dim)
-    mass = key.new_zeros((batch, kv_heads, group, n_keys), dtype=torch.float32) if request.column_mass else None
     window_rows = min(request.window, n_query)
     window_start = n_query - window_rows
-    window = (
-        key.new_zeros((batch, kv_heads, group, window_rows, n_keys), dtype=torch.float32) if window_rows else None
-    )
-    # Only the window's rows are needed when column mass is not.
-    first = 0 if request.column_mass else window_start
     if not request.column_mass and not window_rows:
         return AttentionStats()
-    chunk = max(1, CHUNK_ELEMENTS // max(1, batch * heads * n_keys))
-    for start in range(first, n_query, chunk):
-        end = min(n_query, start + chunk)
-        visible = past + end  # causal: later slots are invisible to every row of the chunk
-        q = queries[:, :, :, start:end].reshape(batch, kv_heads, group * (end - start), dim)
-        scores = torch.matmul(q, keys_t[..., :visible]).view(batch, kv_heads, group, end - start, visible)
-        scores.mul_(scaling)
-        allowed = allowed_keys(kv_valid, start, end, n_query, visible, window_mask)  # (B, 1|G, c, visible)
-        scores.masked_fill_(~allowed.view(batch, -1, 1, end - start, visible), torch.finfo(torch.float32).min)
-        probs = torch.softmax(scores, dim=-1)
-        probs.mul_(query_valid[:, None, None, start:end, None])
-        if mass is not None:
-            mass[..., :visible] += probs.sum(dim=-2)
-        if window is not None and end > window_start:
-            lo = max(start, window_start)
-            window[:, :, :, lo - window_start : end - window_start, :visible] = probs[:, :, :, lo - start :]
+    mass = key.new_zeros((batch, kv_heads, group, n_keys), dtype=torch.float32) if request.column_mass else None
+    window = key.new_zeros((batch, kv_heads, group, window_rows, n_keys), dtype=torch.float32) if window_rows else None
+    first = 0 if request.column_mass else window_start  # only the window's rows are needed without mass
+    chunk = max(1, CHUNK_ELEMENTS // max(1, group * n_keys))
+    lowest = torch.finfo(torch.float32).min
+    queries = (query.float() * scaling).view(batch, kv_heads, group, n_query, dim)
+    for b in range(batch):
+        padded_queries = not bool(query_valid[b].all())
+        padded_keys = not bool(kv_valid[b].all())
+        for g in range(kv_heads):
+            keys_t = key[b, g].float().t().contiguous()  # (D, N)
+            for start in range(first, n_query, chunk):
+                end = min(n_query, start + chunk)
+                rows, visible = end - start, past + end  # later slots are invisible to every row
+                scores = torch.mm(queries[b, g, :, start:end].reshape(group * rows, dim), keys_t[:, :visible])
+                scores = scores.view(group, rows, visible)
+                # Causal: only the block of this chunk's own tokens has future columns.
+                own = scores[:, :, past + start : visible]
+                own.masked_fill_(torch.ones(rows, rows, dtype=torch.bool, device=own.device).triu_(1), lowest)
+                if padded_keys:
+                    scores.masked_fill_(~kv_valid[b, None, None, :visible], lowest)
+                if window_mask is not None:
+                    allowed = window_mask(start, end, visible)[b]
+                    scores.masked_fill_(~allowed[g if allowed.shape[0] > 1 else 0], lowest)
+                probs = torch.softmax(scores, dim=-1)
+                if padded_queries:
+                    probs.mul_(query_valid[b, None, start:end, None])
+                if mass is not None:
+                    mass[b, g, :, :visible] += probs.sum(dim=1)
+                if window is not None and end > window_start:
+                    low = max(start, window_start)
+                    window[b, g, :, low - window_start : end - window_start, :visible] = probs[:, low - start :]
     return AttentionStats(column_mass=mass, window=window)

@@ -123,6 +123,8 @@ def conserve(weights: torch.Tensor, total: int, lower: int, upper: int | None) -
     weights = weights.double().clamp_min(0)
     if not weights.sum() > 0:
         weights = torch.ones_like(weights)
+    # A zero weight would never grow; a tiny one lets such a layer take what the others cannot hold.
+    weights = weights.clamp_min(weights.max().item() * 1e-9)
     if total < n * lower or (upper is not None and total > n * upper):
         raise D2OError(f"cannot share {total} tokens among {n} layers with {lower} to {upper} each")
     ceiling = float("inf") if upper is None else float(upper)

@@ -1,0 +1,206 @@
+"""D2O's three parts against direct reference computations."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from d2o import CompressedCache, D2OError, get_method
+from d2o.engine.cache import CompressedLayer
+from d2o.methods.allocation import InverseVariance, Pyramid, conserve, layer_density
+from d2o.methods.d2o import SimilarityMerge
+
+from conftest import random_ids, tiny_model
+
+
+def make_layer(keys, values):
+    layer = CompressedLayer(cache=None, layer_idx=0)
+    layer.lazy_initialization(keys, values)
+    layer.keys, layer.values = keys.clone(), values.clone()
+    batch, heads, n, _ = keys.shape
+    layer.token_index = torch.arange(n).expand(batch, heads, n).clone()
+    return layer
+
+
+def reference_merge(keys, values, keep, evict, tau_previous=None, alpha=0.5):
+    """Loops over rows, heads and tokens: the paper's rule written out plainly."""
+    batch, heads = keep.shape[:2]
+    best = torch.zeros(evict.shape, dtype=torch.float64)
+    target = torch.zeros(evict.shape, dtype=torch.long)
+    for b in range(batch):
+        for g in range(heads):
+            for i, e in enumerate(evict[b, g].tolist()):
+                sims = [torch.nn.functional.cosine_similarity(keys[b, g, e], keys[b, g, c], dim=0).item()
+                        for c in keep[b, g].tolist()]
+                best[b, g, i] = max(sims)
+                target[b, g, i] = sims.index(max(sims))
+    tau = best.mean(dim=(1, 2))
+    if tau_previous is not None:
+        tau = alpha * tau_previous + (1 - alpha) * tau
+    new_keys = keys.gather(2, keep[..., None].expand(-1, -1, -1, keys.shape[-1])).double().clone()
+    new_values = values.gather(2, keep[..., None].expand(-1, -1, -1, values.shape[-1])).double().clone()
+    for b in range(batch):
+        for g in range(heads):
+            for slot, c in enumerate(keep[b, g].tolist()):
+                merged = [(i, e) for i, e in enumerate(evict[b, g].tolist())
+                          if target[b, g, i] == slot and best[b, g, i] >= tau[b]]
+                denominator = sum(math.exp(best[b, g, i]) for i, _ in merged) + math.e
+                weights = [math.exp(best[b, g, i]) / denominator for i, _ in merged]
+                self_weight = math.e / denominator
+                assert abs(self_weight + sum(weights) - 1.0) < 1e-12  # convex
+                new_keys[b, g, slot] = self_weight * keys[b, g, c].double() + sum(
+                    w * keys[b, g, e].double() for w, (_, e) in zip(weights, merged))
+                new_values[b, g, slot] = self_weight * values[b, g, c].double() + sum(
+                    w * values[b, g, e].double() for w, (_, e) in zip(weights, merged))
+    return new_keys, new_values, tau
+
+
+def test_similarity_merge_equals_the_papers_rule_and_its_ema_threshold():
+    torch.manual_seed(0)
+    batch, heads, n, dim = 2, 3, 12, 8
+    keys, values = torch.randn(batch, heads, n, dim), torch.randn(batch, heads, n, dim)
+    keep = torch.stack([torch.randperm(n)[:5].sort().values for _ in range(batch * heads)]).view(batch, heads, 5)
+    evict = torch.stack([torch.tensor([i for i in range(n) if i not in row]) for row in keep.view(-1, 5).tolist()])
+    evict = evict.view(batch, heads, n - 5)
+    merge = SimilarityMerge()
+    tau = None
+    for _ in range(2):  # the second eviction uses the EMA of the first threshold
+        layer = make_layer(keys, values)
+        if tau is not None:
+            layer.layer_state["tau"] = tau.float()
+        kept_keys, kept_values = layer.gather_kv(keep)
+        count = merge.merge(layer, kept_keys, kept_values, torch.ones(batch, 5, dtype=torch.bool), evict,
+                            torch.ones(batch, n - 5, dtype=torch.bool))
+        expected_keys, expected_values, expected_tau = reference_merge(keys, values, keep, evict, tau)
+        torch.testing.assert_close(kept_keys.double(), expected_keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(kept_values.double(), expected_values, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(layer.layer_state["tau"].double(), expected_tau, atol=1e-6, rtol=1e-6)
+        assert 0 < int(count.sum()) < batch * heads * (n - 5)  # some merged, some dropped
+        tau = expected_tau
+
+
+def test_merged_keys_stay_in_the_convex_hull():
+    """Merging identical vectors leaves them unchanged (weights sum to one)."""
+    keys = torch.ones(1, 1, 6, 4)
+    values = torch.full((1, 1, 6, 4), 3.0)
+    layer = make_layer(keys, values)
+    keep, evict = torch.tensor([[[0, 1]]]), torch.tensor([[[2, 3, 4, 5]]])
+    kept_keys, kept_values = layer.gather_kv(keep)
+    SimilarityMerge().merge(layer, kept_keys, kept_values, torch.ones(1, 2, dtype=torch.bool), evict,
+                            torch.ones(1, 4, dtype=torch.bool))
+    torch.testing.assert_close(kept_keys, torch.ones(1, 1, 2, 4))
+    torch.testing.assert_close(kept_values, torch.full((1, 1, 2, 4), 3.0))
+
+
+def test_official_weighting_is_the_released_codes_mean():
+    keys = torch.tensor([[[[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]]])
+    values = torch.tensor([[[[2.0, 0.0], [0.0, 2.0], [4.0, 4.0]]]])
+    layer = make_layer(keys, values)
+    kept_keys, kept_values = layer.gather_kv(torch.tensor([[[0, 1]]]))
+    SimilarityMerge(weighting="official").merge(layer, kept_keys, kept_values, torch.ones(1, 2, dtype=torch.bool),
+                                                torch.tensor([[[2]]]), torch.ones(1, 1, dtype=torch.bool))
+    similarity = 1 / math.sqrt(2)  # token 2 is equally close to both; the first wins the tie
+    torch.testing.assert_close(kept_keys[0, 0, 0], (keys[0, 0, 0] + similarity * keys[0, 0, 2]) / 2)
+    torch.testing.assert_close(kept_values[0, 0, 0], (values[0, 0, 0] + similarity * values[0, 0, 2]) / 2)
+    torch.testing.assert_close(kept_keys[0, 0, 1], keys[0, 0, 1])
+
+
+def run_tau(model, method, ids):
+    cache = CompressedCache(model, method, 0.2)
+    with torch.inference_mode():
+        logits = model(input_ids=ids, cache=cache).logits
+        for _ in range(5):
+            logits = model(input_ids=logits[:, -1:].argmax(-1), cache=cache).logits
+    return [layer.layer_state["tau_history"] for layer in cache.layers]
+
+
+def test_tau_is_reset_for_every_sequence():
+    model = tiny_model("llama")
+    method = get_method("d2o")
+    first, second = random_ids(150, seed=1), random_ids(150, seed=2)
+    alone = run_tau(model, method, second)
+    run_tau(model, method, first)
+    after_another = run_tau(model, method, second)
+    for a, b in zip(alone, after_another):
+        assert [t.tolist() for t in a] == [t.tolist() for t in b]
+    # A reset cache starts again too.
+    cache = CompressedCache(model, method, 0.2)
+    with torch.inference_mode():
+        model(input_ids=first, cache=cache)
+        cache.reset()
+        model(input_ids=second, cache=cache)
+    assert [layer.layer_state["tau_history"][0].tolist() for layer in cache.layers] == [h[0].tolist() for h in alone]
+
+
+def test_density_statistic_matches_its_definition():
+    torch.manual_seed(0)
+    layer = make_layer(torch.zeros(1, 2, 30, 4), torch.zeros(1, 2, 30, 4))
+    mass = torch.rand(1, 2, 30, 3) ** 4
+    layer.slot_state["mass"] = mass
+    per_head = mass.permute(0, 1, 3, 2).reshape(6, 30)
+    variance = per_head.var(dim=-1)  # unbiased, over the prompt's tokens
+    expected = ((variance - variance.min()) / (variance.max() - variance.min() + 1e-6)).mean()
+    torch.testing.assert_close(layer_density(layer)[0], expected)
+
+
+def test_inverse_variance_budgets_favour_dense_layers_and_conserve_the_total():
+    model = tiny_model("llama", num_hidden_layers=6)
+    cache = CompressedCache(model, "d2o", 0.3)
+    with torch.inference_mode():
+        model(input_ids=random_ids(200), cache=cache)
+    # Recompute F from an uncompressed copy of the statistics.
+    reference = CompressedCache(model, "d2o", 1.0)
+    with torch.inference_mode():
+        model(input_ids=random_ids(200), cache=reference)
+    density = torch.tensor([float(layer_density(layer)[0]) for layer in reference.layers])
+    budgets = torch.tensor([int(layer.budget) for layer in cache.layers])
+    assert int(budgets.sum()) == round(6 * 0.3 * 200)
+    expected = torch.softmax(-density.double(), 0) * 6 * 0.3 * 200
+    assert (budgets - expected).abs().max() <= 1.0
+    assert budgets[density.argmin()] == budgets.max() and budgets[density.argmax()] == budgets.min()
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    weights=st.lists(st.floats(0.0, 10.0), min_size=1, max_size=40),
+    lower=st.integers(0, 20),
+    spare=st.integers(0, 2000),
+    upper_slack=st.one_of(st.none(), st.integers(0, 300)),
+)
+def test_conserve_meets_the_total_within_bounds(weights, lower, spare, upper_slack):
+    n = len(weights)
+    upper = None if upper_slack is None else lower + upper_slack
+    total = n * lower + (spare if upper is None else min(spare, n * (upper - lower)))
+    budgets = conserve(torch.tensor(weights), total, lower, upper)
+    assert sum(budgets) == total
+    assert all(b >= lower and (upper is None or b <= upper) for b in budgets)
+    shares = torch.tensor(budgets, dtype=torch.float64)
+    w = torch.tensor(weights, dtype=torch.float64)
+    for i in range(n):  # a heavier layer never gets fewer tokens (beyond rounding)
+        for j in range(n):
+            if w[i] > w[j]:
+                assert shares[i] >= shares[j] - 1
+
+
+def test_pyramid_budgets_fall_with_depth_and_keep_the_mean():
+    budgets = conserve(Pyramid().layer_weights(8), 800, 5, 1000)
+    assert budgets == sorted(budgets, reverse=True) and sum(budgets) == 800
+    assert budgets[0] > 180 and budgets[-1] < 20
+
+
+@pytest.mark.parametrize("build, parameter", [
+    (lambda: get_method("d2o", split=(0, 0)), "split"),
+    (lambda: get_method("d2o", merge=SimilarityMerge(alpha=1.5)), "alpha"),
+    (lambda: get_method("d2o", n_sinks=-1), "n_sinks"),
+    (lambda: get_method("d2o", allocation=InverseVariance(r_min=2.0)), "r_min"),
+    (lambda: get_method("d2o", exempt_layers=(9,)), "exempt_layers"),  # checked against the model
+    (lambda: get_method("d2o", heavy=3), "options: "),
+])
+def test_bad_method_options_name_the_parameter(build, parameter):
+    model = tiny_model("llama")
+    with pytest.raises(D2OError, match=parameter):
+        cache = CompressedCache(model, build(), 0.5)
+        with torch.inference_mode():
+            model(input_ids=random_ids(50), cache=cache)

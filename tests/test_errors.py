@@ -1,0 +1,95 @@
+"""Bad input: one clear line naming the problem, exit code 2 from the CLI."""
+
+import sys
+
+import pytest
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from d2o import Budget, D2OError
+from d2o.cli import main
+from d2o.data import essays
+
+
+def run_cli(monkeypatch, capsys, *args) -> tuple[int, str, str]:
+    monkeypatch.setattr(sys, "argv", ["d2o", *args])
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    captured = capsys.readouterr()
+    return exit_info.value.code, captured.out, captured.err
+
+
+LONG_ENOUGH = "The quick brown fox jumps over the lazy dog near the river bank today. " * 8
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--budget", "0"], "budget ratio must be in (0, 1], got 0"),
+    (["--budget", "-0.1"], "budget ratio must be in (0, 1], got -0.1"),
+    (["--budget", "1.5"], "budget ratio must be in (0, 1], got 1.5"),
+    (["--budget", "abc"], "budget 'abc' is neither a ratio (0.2) nor a token count (128t)"),
+    (["--budget", "0t"], "budget must be at least 1 token per layer, got 0"),
+    (["--budget", "3t"], "d2o needs at least 5 (4 sinks + 1)"),
+    (["--budget", "0.01"], "d2o needs at least 5 (4 sinks + 1)"),
+    (["--method", "nope"], "unknown method 'nope'; choose one of:"),
+    (["--option", "alpha"], "--option 'alpha': expected NAME=VALUE"),
+    (["--option", "split=0:0"], "split=(0, 0) must be two non-negative parts"),
+])
+def test_bad_generate_options(monkeypatch, capsys, real_model, args, message):
+    code, out, err = run_cli(monkeypatch, capsys, "generate", "--prompt", LONG_ENOUGH, "--max-new-tokens", "2", *args)
+    assert code == 2
+    assert err.strip() == f"error: {err.strip()[7:]}" and message in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_empty_prompt(monkeypatch, capsys):
+    code, _, err = run_cli(monkeypatch, capsys, "generate", "--prompt", "   ")
+    assert code == 2 and err.strip() == "error: the prompt is empty"
+
+
+def test_missing_prompt_file(monkeypatch, capsys, tmp_path):
+    code, _, err = run_cli(monkeypatch, capsys, "generate", "--prompt-file", str(tmp_path / "nope.txt"))
+    assert code == 2 and "nope.txt' not found" in err
+
+
+def test_prompt_longer_than_the_model_allows(monkeypatch, capsys, tmp_path, real_model):
+    path = tmp_path / "long.txt"
+    path.write_text(essays()[:60000])
+    code, _, err = run_cli(monkeypatch, capsys, "generate", "--prompt-file", str(path), "--max-new-tokens", "10")
+    assert code == 2 and "prompt too long for the model" in err and "the model has 8192" in err
+
+
+def test_unsupported_model_family(monkeypatch, capsys, tmp_path):
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100)).save_pretrained(tmp_path)
+    code, _, err = run_cli(monkeypatch, capsys, "generate", "--model", str(tmp_path), "--prompt", "hi")
+    assert code == 2
+    assert err.strip() == "error: model family 'gpt2' is not supported: d2o hooks the attention of llama, mistral, qwen2, qwen3"
+
+
+def test_missing_model(monkeypatch, capsys, tmp_path):
+    code, _, err = run_cli(monkeypatch, capsys, "generate", "--model", str(tmp_path / "none"), "--prompt", "hi")
+    assert code == 2 and "not found" in err
+
+
+def test_prompts_shorter_than_the_budget_are_not_compressed(monkeypatch, capsys, real_model):
+    import json
+
+    code = 0
+    monkeypatch.setattr(sys, "argv", ["d2o", "generate", "--prompt", LONG_ENOUGH, "--budget", "512t",
+                                      "--max-new-tokens", "3", "--json"])
+    try:
+        main()
+    except SystemExit as exit_info:
+        code = exit_info.code
+    result = json.loads(capsys.readouterr().out)
+    assert code in (0, None)
+    prompt_tokens = result["prompt_tokens"]
+    assert result["kv_tokens_kept"] == result["kv_tokens_full"] == 30 * (prompt_tokens + 2)  # 3rd token not fed
+    assert result["kv_bytes"] == result["kv_bytes_full"]
+    assert result["layer_budgets"] != [512] * 30 and sum(result["layer_budgets"]) == 30 * 512
+
+
+def test_budget_parsing():
+    assert Budget.parse("0.2") == Budget(ratio=0.2)
+    assert Budget.parse("128t") == Budget.parse("128tok") == Budget(tokens=128)
+    assert Budget.parse(0.5).total(30, 1001) == round(30 * 0.5 * 1001)
+    with pytest.raises(D2OError, match="whole number"):
+        Budget.parse("1.5t")
