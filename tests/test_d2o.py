@@ -71,7 +71,7 @@ def test_similarity_merge_equals_the_papers_rule_and_its_ema_threshold():
         if tau is not None:
             layer.layer_state["tau"] = tau.float()
         kept_keys, kept_values = layer.gather_kv(keep)
-        count = merge.merge(layer, kept_keys, kept_values, torch.ones(batch, 5, dtype=torch.bool), evict,
+        count = merge.merge(layer, keep, kept_keys, kept_values, torch.ones(batch, 5, dtype=torch.bool), evict,
                             torch.ones(batch, n - 5, dtype=torch.bool))
         expected_keys, expected_values, expected_tau = reference_merge(keys, values, keep, evict, tau)
         torch.testing.assert_close(kept_keys.double(), expected_keys, atol=1e-5, rtol=1e-5)
@@ -88,7 +88,7 @@ def test_merged_keys_stay_in_the_convex_hull():
     layer = make_layer(keys, values)
     keep, evict = torch.tensor([[[0, 1]]]), torch.tensor([[[2, 3, 4, 5]]])
     kept_keys, kept_values = layer.gather_kv(keep)
-    SimilarityMerge().merge(layer, kept_keys, kept_values, torch.ones(1, 2, dtype=torch.bool), evict,
+    SimilarityMerge().merge(layer, keep, kept_keys, kept_values, torch.ones(1, 2, dtype=torch.bool), evict,
                             torch.ones(1, 4, dtype=torch.bool))
     torch.testing.assert_close(kept_keys, torch.ones(1, 1, 2, 4))
     torch.testing.assert_close(kept_values, torch.full((1, 1, 2, 4), 3.0))
@@ -99,7 +99,7 @@ def test_official_weighting_is_the_released_codes_mean():
     values = torch.tensor([[[[2.0, 0.0], [0.0, 2.0], [4.0, 4.0]]]])
     layer = make_layer(keys, values)
     kept_keys, kept_values = layer.gather_kv(torch.tensor([[[0, 1]]]))
-    SimilarityMerge(weighting="official").merge(layer, kept_keys, kept_values, torch.ones(1, 2, dtype=torch.bool),
+    SimilarityMerge(weighting="official").merge(layer, torch.tensor([[[0, 1]]]), kept_keys, kept_values, torch.ones(1, 2, dtype=torch.bool),
                                                 torch.tensor([[[2]]]), torch.ones(1, 1, dtype=torch.bool))
     similarity = 1 / math.sqrt(2)  # token 2 is equally close to both; the first wins the tie
     torch.testing.assert_close(kept_keys[0, 0, 0], (keys[0, 0, 0] + similarity * keys[0, 0, 2]) / 2)

@@ -18,7 +18,7 @@ from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_f
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
-from d2o.engine.cache import claim_active_layer
+from d2o.engine.cache import CompressedCache, claim_active_layer
 from d2o.engine.stats import allowed_keys, attention_stats
 from d2o.errors import D2OError
 
@@ -63,9 +63,9 @@ def _make_attention(backend: str):
                 mask = repeat_kv(mask, module.num_key_value_groups)
         if backend == "eager":
             if mask is not None:
-                mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill_(
-                    ~mask, torch.finfo(query.dtype).min
-                )
+                # eager's softmax runs in float32: a float64 minimum would become -inf there (NaN rows).
+                lowest = max(torch.finfo(query.dtype).min, torch.finfo(torch.float32).min)
+                mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill_(~mask, lowest)
             output, _ = eager_attention_forward(module, query, key, value, mask, scaling=scaling, dropout=dropout)
         else:
             output, _ = sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling)
@@ -76,8 +76,6 @@ def _make_attention(backend: str):
             if request is not None:
                 stats = attention_stats(query, key, kv_valid, new_valid, scaling, request, window_mask)
                 cache.method.observe(layer, stats)
-            if layer.layer_idx == len(cache.layers) - 1:
-                cache.end_of_forward()
         return output, None
 
     attention.__name__ = f"d2o_{backend}_attention"
@@ -130,3 +128,28 @@ def install(model, backend: str | None = None) -> None:
         raise D2OError(f"attention backend {backend!r} is not supported: choose sdpa or eager")
     register()
     model.set_attn_implementation(ATTENTION_NAMES[backend])
+    decoder = model.get_decoder()
+    if not hasattr(decoder, "_d2o_end_of_forward"):
+        decoder._d2o_end_of_forward = decoder.register_forward_hook(
+            _end_of_forward(model.get_output_embeddings()), with_kwargs=True
+        )
+
+
+def _end_of_forward(lm_head):
+    """Forward hook on the decoder: after every pass, let a d2o cache see the tokens and compress.
+
+    Compressing here, after the final norm, rather than in the last layer, lets methods score
+    tokens by what the model predicted (token surprisal) as well as by attention.
+    """
+
+    def hook(module, args, kwargs, output):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if isinstance(cache, CompressedCache):
+            if cache.method.needs_surprisal:
+                input_ids = kwargs.get("input_ids", args[0] if args else None)
+                if input_ids is None:
+                    raise D2OError(f"{cache.method.name} scores tokens by surprisal and needs input_ids, not embeddings")
+                cache.observe_tokens(input_ids, output.last_hidden_state, lm_head)
+            cache.end_of_forward()
+
+    return hook

@@ -24,6 +24,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from d2o.budget import Budget
+from d2o.engine.stats import token_surprisal
 from d2o.errors import D2OError
 
 if TYPE_CHECKING:
@@ -295,12 +296,14 @@ class CompressedCache(Cache):
         self.forwards = 0
         self.allocated = False
         self._holds = 0
+        self._last_hidden = None  # the last real token's final hidden state (for surprisal)
 
     # -- lifecycle ----------------------------------------------------------------------------
     def reset(self) -> None:
         super().reset()
         self.forwards = 0
         self.allocated = False
+        self._last_hidden = None
 
     @contextmanager
     def hold(self):
@@ -313,8 +316,15 @@ class CompressedCache(Cache):
         if not self._holds:
             self.compress()
 
+    def observe_tokens(self, input_ids: torch.Tensor, hidden: torch.Tensor, lm_head) -> None:
+        """Give the method each new token's surprisal, -log p(token | earlier tokens), (B, q)."""
+        first = self.layers[0]
+        valid = first.token_index[:, 0, -input_ids.shape[1]:] >= 0
+        surprisal, self._last_hidden = token_surprisal(input_ids, hidden, lm_head, valid, self._last_hidden)
+        self.method.observe_tokens(self, surprisal)
+
     def end_of_forward(self) -> None:
-        """Called by the attention hook after the last layer of every forward pass."""
+        """Called by the decoder's forward hook after every forward pass."""
         self.forwards += 1
         if not self._holds:
             self.compress()
@@ -355,11 +365,11 @@ class CompressedCache(Cache):
         valid = layer.valid
         scores = method.score(layer).float()
         protected = method.protected(layer, target)
-        keep, keep_valid = select_kept(scores, protected, valid, target)
+        keep, keep_valid = select_kept(scores, protected, layer.token_index, target)
         keys, values = layer.gather_kv(keep)
         if method.merge is not None:
             evict, evict_valid = evicted_slots(valid, keep, keep_valid, target)
-            layer.merged += method.merge.merge(layer, keys, values, keep_valid, evict, evict_valid)
+            layer.merged += method.merge.merge(layer, keep, keys, values, keep_valid, evict, evict_valid)
         layer.keep(keep, keep_valid, keys, values)
 
     # -- inspection ---------------------------------------------------------------------------
@@ -393,18 +403,21 @@ class CompressedCache(Cache):
 
 
 def select_kept(
-    scores: torch.Tensor, protected: torch.Tensor, valid: torch.Tensor, target: torch.Tensor
+    scores: torch.Tensor, protected: torch.Tensor, token_index: torch.Tensor, target: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row and KV head, the ``target[b]`` highest-scoring valid slots, protected ones first.
 
-    ``scores`` and ``protected`` are (B, G, N), ``valid`` (B, N), ``target`` (B,). Returns slot
-    indices (B, G, K) in increasing slot order, K = max(target), and (B, K) validity: row b's
-    entries past ``target[b]`` are padding.
+    ``scores``, ``protected`` and ``token_index`` are (B, G, N), ``target`` (B,). Equal scores
+    (max pooling makes plateaus) go to the newer token, so where a token sits in storage never
+    changes the choice. Returns slot indices (B, G, K) in increasing slot order, K = max(target),
+    and (B, K) validity: row b's entries past ``target[b]`` are padding.
     """
     n_slots = scores.shape[-1]
-    ranked = scores.masked_fill(protected, float("inf")).masked_fill(~valid[:, None, :], float("-inf"))
+    ranked = scores.masked_fill(protected, float("inf")).masked_fill(token_index < 0, float("-inf"))
+    newest_first = token_index.argsort(dim=-1, descending=True)
+    order = ranked.gather(-1, newest_first).argsort(dim=-1, descending=True, stable=True)
     width = int(target.max())
-    top = ranked.topk(width, dim=-1, sorted=True).indices
+    top = newest_first.gather(-1, order[..., :width])
     keep_valid = torch.arange(width, device=scores.device)[None, :] < target[:, None]
     keep = top.masked_fill(~keep_valid[:, None, :], n_slots).sort(dim=-1).values.clamp_max(n_slots - 1)
     return keep, keep_valid

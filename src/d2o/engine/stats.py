@@ -111,3 +111,37 @@ def attention_stats(
                     low = max(start, window_start)
                     window[b, g, :, low - window_start : end - window_start, :visible] = probs[:, low - start :]
     return AttentionStats(column_mass=mass, window=window)
+
+
+# Logits held at once while computing surprisal (float32 elements): 16 MB.
+SURPRISAL_CHUNK_ELEMENTS = 1 << 22
+
+
+def token_surprisal(
+    input_ids: torch.Tensor, hidden: torch.Tensor, lm_head, valid: torch.Tensor, previous: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """-log p(x_t | x_<t) for each new token (B, q), float32; 0 for padding and a row's first token.
+
+    ``hidden`` (B, q, d) is the decoder's final hidden state, ``previous`` (B, d) the last real
+    token's from the pass before (its prediction scores this pass's first token). Logits are
+    computed a chunk of positions at a time, never (q, vocab) at once. Returns the surprisal and
+    the new ``previous``.
+    """
+    batch, n_new, _ = hidden.shape
+    predictors = hidden[:, :-1]
+    if previous is not None:
+        predictors = torch.cat([previous[:, None].to(hidden.dtype), predictors], dim=1)
+    targets = input_ids[:, -predictors.shape[1]:] if predictors.shape[1] else input_ids[:, :0]
+    surprisal = torch.zeros((batch, n_new), dtype=torch.float32, device=hidden.device)
+    offset = n_new - predictors.shape[1]
+    vocab = lm_head.weight.shape[0]
+    chunk = max(1, SURPRISAL_CHUNK_ELEMENTS // max(1, batch * vocab))
+    for start in range(0, predictors.shape[1], chunk):
+        logits = lm_head(predictors[:, start : start + chunk]).float()
+        picked = logits.gather(-1, targets[:, start : start + chunk, None]).squeeze(-1)
+        surprisal[:, offset + start : offset + start + logits.shape[1]] = torch.logsumexp(logits, dim=-1) - picked
+    # A token predicted from padding (the first real one of a left-padded row) has no surprisal.
+    follows_real = torch.cat([valid.new_zeros((batch, 1)) if previous is None else valid.new_ones((batch, 1)),
+                              valid[:, :-1]], dim=1)
+    surprisal = surprisal * (valid & follows_real)
+    return surprisal, hidden[:, -1]

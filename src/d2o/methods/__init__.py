@@ -1,6 +1,7 @@
 """Compression methods, each a small policy on the engine, registered by name."""
 
-from d2o.methods import full, h2o  # noqa: F401  (registration)
+# Importing a method's module registers it; the order is the order of `d2o methods`.
+from d2o.methods import full, local, streamingllm, h2o, tova, snapkv, pyramidkv, cam, roco, sirllm  # noqa: F401, I001
 from d2o.methods.allocation import ExponentialDecay, InverseVariance, Pyramid, Uniform
 from d2o.methods.base import REGISTRY, Method, get_method
 from d2o.methods.d2o import D2O, SimilarityMerge

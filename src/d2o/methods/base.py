@@ -36,14 +36,16 @@ class Merge(Protocol):
     def merge(
         self,
         layer: CompressedLayer,
+        keep: torch.Tensor,
         keys: torch.Tensor,
         values: torch.Tensor,
         keep_valid: torch.Tensor,
         evict: torch.Tensor,
         evict_valid: torch.Tensor,
     ) -> torch.Tensor:
-        """Fold the evicted slots ``evict`` (B, G, E) of ``layer`` into the kept ``keys``/``values``
-        (B, G, K, D, modified in place); return how many (token, KV head) pairs were merged per row."""
+        """Fold the evicted slots ``evict`` (B, G, E) of ``layer`` into the kept slots ``keep``
+        (B, G, K), whose ``keys``/``values`` (B, G, K, D) are modified in place; return how many
+        (token, KV head) pairs were merged per row."""
 
 
 @dataclass
@@ -61,6 +63,8 @@ class Method:
     compress_after_forward: ClassVar[int] = 1
     # False: compress once, then let the cache grow with new tokens (SnapKV-style methods).
     evicts_during_decode: ClassVar[bool] = True
+    # True: the engine computes each token's surprisal and calls `observe_tokens`.
+    needs_surprisal: ClassVar[bool] = False
 
     n_sinks: int = 0
     allocation: Allocation = field(default_factory=Uniform)
@@ -78,11 +82,22 @@ class Method:
     def observe(self, layer: CompressedLayer, stats: AttentionStats) -> None:
         pass
 
+    def observe_tokens(self, cache: CompressedCache, surprisal: torch.Tensor) -> None:
+        """The new tokens' surprisal (B, q), if ``needs_surprisal``; called before compression."""
+
     # -- budgets --------------------------------------------------------------------------------
     @property
     def min_layer_budget(self) -> int:
         """The smallest budget a layer can have under this method (its protected slots + 1)."""
-        return self.n_sinks + 1
+        return self.reserved + self.n_sinks + 1
+
+    def min_budget_reason(self) -> str:
+        return f"{self.n_sinks} sinks + 1"
+
+    @property
+    def reserved(self) -> int:
+        """Tokens every layer sets aside before the rest is shared by ``allocation`` (a window)."""
+        return 0
 
     def allocate(self, cache: CompressedCache, totals: torch.Tensor) -> torch.Tensor:
         """Per-row, per-layer budgets (B, L) summing to ``totals`` (B,) over all layers."""
@@ -94,21 +109,22 @@ class Method:
         prompt = cache.layers[0].real_seen
         weights = self.allocation.weights(cache, active).double()  # (B, len(active))
         budgets = torch.full((len(prompt), n_layers), UNLIMITED, dtype=torch.long)
+        reserved = self.reserved
         for row, (length, total) in enumerate(zip(prompt.tolist(), totals.tolist())):
             total -= len(exempt) * length  # exempt layers hold the whole prompt
             if total >= len(active) * length:  # the budget covers the prompt: nothing to evict yet
-                shares = conserve(weights[row], total, self.min_layer_budget, upper=None)
-            else:
-                if total < len(active) * self.min_layer_budget:
-                    raise D2OError(
-                        f"budget {cache.budget} leaves {max(total, 0) / max(len(active), 1):.1f} tokens per layer for a "
-                        f"{length}-token prompt; {self.name} needs at least {self.min_layer_budget} "
-                        f"({self.n_sinks} sinks + 1)"
-                    )
-                shares = conserve(
-                    weights[row], total, max(self.min_layer_budget, self.allocation.lower(length)), upper=length
+                lower, upper = self.min_layer_budget, None
+            elif total < len(active) * self.min_layer_budget:
+                raise D2OError(
+                    f"budget {cache.budget} leaves {max(total, 0) / max(len(active), 1):.1f} tokens per layer for a "
+                    f"{length}-token prompt; {self.name} needs at least {self.min_layer_budget} "
+                    f"({self.min_budget_reason()})"
                 )
-            budgets[row, active] = torch.tensor(shares, dtype=torch.long)
+            else:
+                lower, upper = max(self.min_layer_budget, self.allocation.lower(length)), length
+            shares = conserve(weights[row], total - len(active) * reserved, lower - reserved,
+                              None if upper is None else upper - reserved)
+            budgets[row, active] = torch.tensor(shares, dtype=torch.long) + reserved
         return budgets
 
     # -- eviction -------------------------------------------------------------------------------
@@ -128,6 +144,28 @@ class Method:
     @classmethod
     def describe(cls) -> str:
         return cls.summary
+
+
+@dataclass
+class HeavyRecent(Method):
+    """A method whose layer budgets split N:M into scored tokens and a window of the newest ones."""
+
+    split: tuple[int, int] = (1, 1)  # scored : recent parts of each layer's budget
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.split = tuple(self.split)
+        check(len(self.split) == 2 and min(self.split) >= 0 and sum(self.split) > 0, "split", self.split,
+              "must be two non-negative parts, scored:recent, not both 0")
+
+    def n_recent(self, target: torch.Tensor) -> torch.Tensor:
+        scored, recent = self.split
+        return torch.minimum(target * recent // (scored + recent), target - self.n_sinks).clamp_min(0)
+
+
+def recency(layer: CompressedLayer) -> torch.Tensor:
+    """Newer tokens score higher (local windows, StreamingLLM)."""
+    return layer.token_index.float()
 
 
 def check(ok: bool, parameter: str, value, requirement: str) -> None:
@@ -151,6 +189,7 @@ class Entry:
     name: str
     summary: str
     build: Callable[..., Method]
+    cls: type[Method]
 
 
 REGISTRY: dict[str, Entry] = {}
@@ -158,22 +197,22 @@ REGISTRY: dict[str, Entry] = {}
 
 def register(cls: type[Method]) -> type[Method]:
     """Class decorator: make a method available by its ``name``."""
-    REGISTRY[cls.name] = Entry(cls.name, cls.summary, cls)
+    REGISTRY[cls.name] = Entry(cls.name, cls.summary, cls, cls)
     return cls
 
 
-def register_variant(name: str, summary: str, build: Callable[..., Method]) -> None:
-    """A named configuration of a method (an ablation, a parity preset)."""
-    REGISTRY[name] = Entry(name, summary, build)
+def register_variant(name: str, summary: str, build: Callable[..., Method], cls: type[Method]) -> None:
+    """A named configuration of ``cls`` (an ablation, a parity preset)."""
+    REGISTRY[name] = Entry(name, summary, build, cls)
 
 
 def get_method(name: str, **options) -> Method:
     """Build the method registered as ``name`` with ``options`` overriding its defaults."""
     entry = REGISTRY.get(name)
     if entry is None:
-        raise D2OError(f"unknown method {name!r}; choose one of: {', '.join(sorted(REGISTRY))}")
+        raise D2OError(f"unknown method {name!r}; choose one of: {', '.join(REGISTRY)}")
     try:
         return entry.build(**options)
     except TypeError as error:
-        names = [f.name for f in fields(entry.build)] if isinstance(entry.build, type) else []
-        raise D2OError(f"bad option for method {name!r} ({error}); options: {', '.join(names)}") from None
+        names = ", ".join(f.name for f in fields(entry.cls))
+        raise D2OError(f"bad option for method {name!r} ({error}); options: {names}") from None

@@ -7,12 +7,12 @@ from dataclasses import dataclass
 import torch
 
 from d2o.engine.stats import AttentionStats, StatsRequest
-from d2o.methods.base import Method, accumulate_mass, check, register
+from d2o.methods.base import HeavyRecent, accumulate_mass, register
 
 
 @register
 @dataclass
-class H2O(Method):
+class H2O(HeavyRecent):
     """Heavy-Hitter Oracle. A token's score is the attention it has received so far (column
     mass of the prefill, then every decode query's attention), summed over the query heads of its
     KV head, in float32. Each layer keeps its ``heavy:recent`` split of the budget (1:1 in the
@@ -23,15 +23,6 @@ class H2O(Method):
     name = "h2o"
     summary = "heavy hitters (accumulated attention) + recent window, 1:1, evicting at every step"
 
-    split: tuple[int, int] = (1, 1)  # heavy : recent parts of each layer's budget
-
-    def __post_init__(self):
-        super().__post_init__()
-        self.split = tuple(self.split)
-        heavy, recent = self.split
-        check(len(self.split) == 2 and heavy >= 0 and recent >= 0 and heavy + recent > 0, "split", self.split,
-              "must be two non-negative parts, heavy:recent, not both 0")
-
     def stats_request(self, layer, n_query: int) -> StatsRequest:
         return StatsRequest(column_mass=True)
 
@@ -40,7 +31,3 @@ class H2O(Method):
 
     def score(self, layer) -> torch.Tensor:
         return layer.slot_state["mass"].sum(-1)
-
-    def n_recent(self, target: torch.Tensor) -> torch.Tensor:
-        heavy, recent = self.split
-        return torch.minimum(target * recent // (heavy + recent), target - self.n_sinks).clamp_min(0)

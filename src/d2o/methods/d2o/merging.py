@@ -44,7 +44,7 @@ class SimilarityMerge:
             if value not in allowed:
                 raise D2OError(f"{name}={value!r} must be one of {', '.join(allowed)}")
 
-    def merge(self, layer, keys, values, keep_valid, evict, evict_valid) -> torch.Tensor:
+    def merge(self, layer, keep, keys, values, keep_valid, evict, evict_valid) -> torch.Tensor:
         batch, heads, width = evict.shape
         if width == 0:
             return torch.zeros(batch, dtype=torch.long, device=keys.device)

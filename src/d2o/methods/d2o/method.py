@@ -14,8 +14,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from d2o.methods.allocation import Allocation, InverseVariance
-from d2o.methods.base import Merge, register
+import torch
+
+from d2o.engine.cache import UNLIMITED
+from d2o.errors import D2OError
+from d2o.methods.allocation import Allocation, ExponentialDecay, InverseVariance, Pyramid, Uniform, layer_density
+from d2o.methods.base import Merge, register, register_variant
 from d2o.methods.d2o.merging import SimilarityMerge
 from d2o.methods.h2o import H2O
 
@@ -33,3 +37,79 @@ class D2O(H2O):
     n_sinks: int = 4
     allocation: Allocation = field(default_factory=InverseVariance)
     merge: Merge | None = field(default_factory=SimilarityMerge)
+
+
+@dataclass
+class D2OOfficial(D2O):
+    """The released code's choices (``parity="official"``, see D2O-SPEC section 5b), to reproduce
+    published numbers: compression at the first decode step (its query's attention included);
+    layer ratios clamp(L * rho * softmax(-F), 0.01, 1) over all layers, exempt ones included (their
+    share is lost); heavy and recent parts floor((S + 1) * part) separately, split 1:1; layers 0, 1
+    and L-1 kept whole; a merge decided per token on its similarity averaged over heads and applied
+    as (k + sum m_e k_e) / (1 + n). Scores and storage stay per KV head (the released code repeats
+    KV heads to the query-head count; that changes which tokens are chosen, not the rule)."""
+
+    name = "d2o-official"
+    summary = "D2O as released: 1:1, exempt layers 0,1,L-1, first-decode compression, mean merge"
+    compress_after_forward = 2
+
+    split: tuple[int, int] = (1, 1)
+    exempt_layers: tuple[int, ...] = (0, 1, -1)
+    merge: Merge | None = field(
+        default_factory=lambda: SimilarityMerge(weighting="official", decision="mean_over_heads")
+    )
+
+    def allocate(self, cache, totals: torch.Tensor) -> torch.Tensor:
+        n_layers = cache.n_layers
+        exempt = {index % n_layers for index in self.exempt_layers}
+        density = torch.stack([layer_density(layer) for layer in cache.layers], dim=-1)  # (B, L)
+        seen = cache.layers[0].real_seen  # the prompt and the first generated token: S + 1
+        rho = cache.budget.ratio if cache.budget.ratio is not None else cache.budget.tokens / (seen - 1).clamp_min(1)
+        rho = torch.as_tensor(rho, dtype=torch.float64)
+        ratios = (n_layers * rho[..., None] * torch.softmax(-density.double(), -1)).clamp(0.01, 1.0)
+        scored, recent = self.split
+        heavy = ((seen[:, None] * ratios * scored / (scored + recent)).floor()).long()
+        recent_part = ((seen[:, None] * ratios * recent / (scored + recent)).floor()).long()
+        budgets = (heavy + recent_part).clamp_min(self.min_layer_budget)
+        for index in exempt:
+            budgets[:, index] = UNLIMITED
+        for i, layer in enumerate(cache.layers):
+            layer.layer_state["recent"] = recent_part[:, i]
+        return budgets
+
+    def protected(self, layer, target: torch.Tensor) -> torch.Tensor:
+        index = layer.token_index
+        recent_from = layer.real_seen - torch.minimum(layer.layer_state["recent"], target - self.n_sinks)
+        return (index >= 0) & ((index < self.n_sinks) | (index >= recent_from[:, None, None]))
+
+
+register(D2OOfficial)
+
+
+def build_d2o(parity: str | None = None, **options) -> D2O:
+    """``d2o`` by name: the library's D2O, or with ``parity="official"`` the released code's."""
+    if parity is None:
+        return D2O(**options)
+    if parity == "official":
+        return D2OOfficial(**options)
+    raise D2OError(f"parity={parity!r} must be 'official' (the released code's choices) or omitted")
+
+
+register_variant("d2o", D2O.summary, build_d2o, D2O)
+
+
+def _variant(name: str, summary: str, **defaults) -> None:
+    register_variant(
+        name, summary, lambda **options: D2O(**{**{k: v() for k, v in defaults.items()}, **options}), D2O
+    )
+
+
+_variant("d2o-uniform", "D2O ablation: the same budget in every layer (no layer-level allocation)",
+         allocation=Uniform)
+_variant("d2o-nomerge", "D2O ablation: evicted tokens are dropped, not merged", merge=lambda: None)
+_variant("d2o-valuesim", "D2O ablation: merge by similarity of values instead of keys",
+         merge=lambda: SimilarityMerge(on="value"))
+_variant("d2o-expdecay", "D2O ablation: layer budgets decaying exponentially with depth",
+         allocation=ExponentialDecay)
+_variant("d2o-pyramid", "D2O ablation: layer budgets falling linearly with depth (PyramidKV's)",
+         allocation=Pyramid)

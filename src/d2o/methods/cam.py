@@ -1,0 +1,70 @@
+"""CaM (Zhang et al., ICML 2024, "CaM: Cache Merging for Memory-efficient LLMs Inference")."""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+
+import torch
+
+from d2o.methods.base import Merge, check, register
+from d2o.methods.h2o import H2O
+
+
+@dataclass
+class ProminenceMerge:
+    """CaM's merge: an evicted token's value is added, with probability p, to the ``span`` kept
+    tokens that follow it in the sequence, each receiving value / span; keys are dropped, not
+    merged. p = clamp(A_e / mean(A over those kept tokens), 0, 1), A the accumulated attention
+    (its prominence), drawn per KV head from a generator seeded by (seed, layer, tokens seen, row),
+    so runs are reproducible and a batch draws what its rows would alone."""
+
+    span: int = 32
+    seed: int = 0
+
+    def __post_init__(self):
+        check(self.span >= 1, "span", self.span, "must be at least 1")
+
+    def merge(self, layer, keep, keys, values, keep_valid, evict, evict_valid) -> torch.Tensor:
+        batch, heads, _ = evict.shape
+        merged = torch.zeros(batch, dtype=torch.long, device=keys.device)
+        prominence = layer.slot_state["mass"].sum(-1)  # (B, G, N)
+        for b in range(batch):
+            n_keep, n_evict = int(keep_valid[b].sum()), int(evict_valid[b].sum())
+            if not n_evict or not n_keep:
+                continue
+            draw = torch.Generator().manual_seed(
+                zlib.crc32(f"{self.seed}/{layer.layer_idx}/{int(layer.real_seen[b])}".encode()))
+            uniform = torch.rand((heads, n_evict), generator=draw).to(keys.device)
+            for g in range(heads):
+                kept_slots, gone_slots = keep[b, g, :n_keep], evict[b, g, :n_evict]
+                kept_tokens = layer.token_index[b, g, kept_slots]
+                order = kept_tokens.argsort()
+                first = torch.searchsorted(kept_tokens[order], layer.token_index[b, g, gone_slots])
+                targets = first[:, None] + torch.arange(self.span, device=keys.device)  # (E, span) in order
+                reachable = targets < n_keep
+                targets = order[targets.clamp_max(n_keep - 1)]  # positions in `keep`
+                weight = reachable.float()
+                target_prominence = prominence[b, g, kept_slots[targets]]
+                mean = (target_prominence * weight).sum(-1) / weight.sum(-1).clamp_min(1)
+                ratio = torch.nan_to_num(prominence[b, g, gone_slots] / mean, nan=0.0, posinf=1.0).clamp(0, 1)
+                chosen = (uniform[g] < ratio) & reachable.any(-1)
+                share = (weight * chosen[:, None].float()) / weight.sum(-1, keepdim=True).clamp_min(1)
+                contribution = share[..., None] * layer.values[b, g, gone_slots][:, None, :].float()
+                values[b, g].index_add_(0, targets.flatten(), contribution.flatten(0, 1).to(values.dtype))
+                merged[b] += int(chosen.sum())
+        return merged
+
+
+@register
+@dataclass
+class CaM(H2O):
+    """H2O's eviction (accumulated attention, 1:1 heavy/recent split) whose evicted values are
+    merged into the following kept tokens with a probability given by their attention prominence
+    (Bernoulli mask, ``ProminenceMerge``). At the end of the prefill all evicted tokens are merged
+    at once; the paper merges them one by one as they leave the window."""
+
+    name = "cam"
+    summary = "CaM: H2O eviction + evicted values merged into the next kept tokens (Bernoulli)"
+
+    merge: Merge | None = field(default_factory=ProminenceMerge)

@@ -1,0 +1,24 @@
+"""PyramidKV (Cai et al. 2024, "PyramidKV: Dynamic KV Cache Compression based on Pyramidal
+Information Funneling", arXiv 2406.02069)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from d2o.methods.allocation import Allocation, Pyramid
+from d2o.methods.base import register
+from d2o.methods.snapkv import SnapKV
+
+
+@register
+@dataclass
+class PyramidKV(SnapKV):
+    """SnapKV's selection with per-layer budgets that fall linearly with depth (beta = 20: the
+    deepest layer gets 1/20 of the mean), as in the paper. Every layer first keeps its
+    observation window; the rest of the total is shared in a pyramid, so the mean over layers is
+    exactly the budget (kvpress's convention)."""
+
+    name = "pyramidkv"
+    summary = "PyramidKV: SnapKV selection with budgets falling linearly with depth (beta=20)"
+
+    allocation: Allocation = field(default_factory=Pyramid)

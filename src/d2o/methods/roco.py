@@ -1,0 +1,58 @@
+"""RoCo (Ren & Zhu 2024, "On the Efficacy of Eviction Policy for Key-Value Constrained Generative
+Language Model Inference", arXiv 2402.06262)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from d2o.engine.stats import AttentionStats, StatsRequest
+from d2o.methods.base import HeavyRecent, check, register
+
+
+@register
+@dataclass
+class RoCo(HeavyRecent):
+    """Robust cache omission: a token's score is the mean attention it received from the last
+    ``window`` queries that could see it (the paper's temporal attention), summed over the query
+    heads of its KV head; among equal means, the lower standard deviation is evicted first (a
+    robustly unimportant token). Plus 4 sinks and a recent window of 10% of the budget (split
+    9:1), as the released code. The window's attention rows are kept per slot (``window`` floats
+    per token and KV head)."""
+
+    name = "roco"
+    summary = "RoCo: mean attention over the last 32 queries (std breaks ties) + sinks + recent window"
+
+    n_sinks: int = 4
+    split: tuple[int, int] = (9, 1)
+    window: int = 32
+
+    def __post_init__(self):
+        super().__post_init__()
+        check(self.window >= 1, "window", self.window, "must be at least 1")
+
+    def stats_request(self, layer, n_query: int) -> StatsRequest:
+        return StatsRequest(window=self.window)
+
+    def observe(self, layer, stats: AttentionStats) -> None:
+        rows = stats.window.sum(dim=2).permute(0, 1, 3, 2)  # (B, G, N, w): per KV head
+        history = layer.slot_state.get("recent_rows")
+        if history is not None:
+            rows = torch.cat([history, rows], dim=-1)[..., -self.window :]
+        elif rows.shape[-1] < self.window:
+            rows = torch.nn.functional.pad(rows, (self.window - rows.shape[-1], 0))
+        layer.slot_state["recent_rows"] = rows.contiguous()
+
+    def score(self, layer) -> torch.Tensor:
+        rows = layer.slot_state["recent_rows"]
+        # Queries of the window that could see the token: those at or after it.
+        seen_by = (layer.real_seen[:, None, None] - layer.token_index).clamp(1, self.window).float()
+        mean = rows.sum(-1) / seen_by
+        std = (rows.square().sum(-1) / seen_by - mean.square()).clamp_min(0).sqrt()
+        # Rank by (mean, std): a stable sort by std, then by mean.
+        by_std = std.argsort(dim=-1, stable=True)
+        order = by_std.gather(-1, mean.gather(-1, by_std).argsort(dim=-1, stable=True))
+        rank = torch.empty_like(mean)
+        rank.scatter_(-1, order, torch.arange(mean.shape[-1], dtype=mean.dtype, device=mean.device).expand_as(mean))
+        return rank

@@ -1,0 +1,45 @@
+"""SirLLM (Yao et al., ACL 2024, "SirLLM: Streaming Infinite Retentive LLM", arXiv 2405.12528)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from d2o.methods.base import HeavyRecent, check, register
+
+
+@register
+@dataclass
+class SirLLM(HeavyRecent):
+    """StreamingLLM plus the tokens of highest token entropy: a token's score is its surprisal
+    -log p(x_t | x_<t) under the model itself (the paper's intent; the released code scores the
+    previous token, an off-by-one), multiplied by ``decay`` at every later forward pass (the paper
+    decays per dialogue turn; 1.0, its default, keeps scores as they are). 4 sinks; the rest of
+    each layer's budget split 1:1 between high-entropy and recent tokens (its CLI defaults,
+    1000 + 1000). Every layer and head keeps the same tokens."""
+
+    name = "sirllm"
+    summary = "SirLLM: 4 sinks + high token-entropy (surprisal) tokens with decay + recent window"
+    needs_surprisal = True
+
+    n_sinks: int = 4
+    decay: float = 1.0
+
+    def __post_init__(self):
+        super().__post_init__()
+        check(0.0 < self.decay <= 1.0, "decay", self.decay, "must be in (0, 1]")
+
+    def observe_tokens(self, cache, surprisal: torch.Tensor) -> None:
+        n_new = surprisal.shape[1]
+        for layer in cache.layers:
+            batch, heads, n_slots = layer.token_index.shape
+            scores = layer.slot_state.get("surprisal")
+            if scores is None:
+                scores = torch.zeros((batch, heads, n_slots), dtype=torch.float32, device=surprisal.device)
+            scores[..., : n_slots - n_new] *= self.decay
+            scores[..., n_slots - n_new :] = surprisal[:, None, :]
+            layer.slot_state["surprisal"] = scores
+
+    def score(self, layer) -> torch.Tensor:
+        return layer.slot_state["surprisal"]

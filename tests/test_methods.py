@@ -1,0 +1,258 @@
+"""Every registered method through the same checks, and reference computations for four of them."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from d2o import Budget, CompressedCache, D2OError, get_method
+from d2o.methods import REGISTRY
+from d2o.methods.base import HeavyRecent
+from d2o.methods.snapkv import SnapKV
+
+from conftest import greedy, left_pad, random_ids, tiny_model
+
+METHODS = list(REGISTRY)
+# Methods whose total after the prefill is not held to round(L * rho * S).
+UNCONSERVED = {"full", "d2o-official"}
+STEPS = 40
+
+
+def promised(method, layer, row, budget):
+    """(sinks, newest) token counts the method promises to keep in a layer holding `budget`."""
+    if isinstance(method, SnapKV):
+        return method.n_sinks, min(budget, method.window)
+    if isinstance(method, HeavyRecent) and "recent" not in layer.layer_state:
+        return method.n_sinks, int(method.n_recent(torch.tensor([budget]))[0])
+    if "recent" in layer.layer_state:  # the official preset's own recent part
+        return method.n_sinks, min(int(layer.layer_state["recent"][row]), budget - method.n_sinks)
+    return method.n_sinks, 0
+
+
+def check_promises(cache, row, seen_row):
+    method = cache.method
+    for layer in cache.layers:
+        kept = layer.token_index[row]
+        budget = int(layer.budget[row]) if layer.budget is not None else -1
+        if budget < 0:
+            continue
+        sinks, newest = promised(method, layer, row, budget)
+        for head in kept:
+            tokens = set(head[head >= 0].tolist())
+            assert set(range(sinks)) <= tokens
+            if method.evicts_during_decode:
+                assert set(range(seen_row - newest, seen_row)) <= tokens
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("name", METHODS)
+def test_batch_equals_one_by_one_with_exact_lengths_and_promises(name, arch, attention):
+    model = tiny_model(arch, dtype=torch.float64, attention=attention)
+    prompts = [random_ids(n, seed=n)[0] for n in (140, 96, 120)]  # budgets above SnapKV's window
+    ids, mask = left_pad(prompts)
+    batch_cache = CompressedCache(model, name, 0.5)
+    batched = greedy(model, ids, batch_cache, steps=STEPS, mask=mask)
+    n_layers = model.config.num_hidden_layers
+    for row, prompt in enumerate(prompts):
+        cache = CompressedCache(model, name, 0.5)
+        alone = greedy(model, prompt[None], cache, steps=STEPS)
+        assert batched[row].tolist() == alone[0].tolist()
+        seen = len(prompt) + STEPS - 1  # the last generated token is never fed back
+        budgets = [int(layer.budget[0]) for layer in cache.layers]
+        for mine, theirs, budget in zip(batch_cache.layers, cache.layers, budgets):
+            assert int(mine.budget[row]) == budget
+            assert int(mine.n_kept[row]) == int(theirs.n_kept[0])
+            expected = seen if budget < 0 else budget + (0 if cache.method.evicts_during_decode else STEPS - 1)
+            assert int(theirs.n_kept[0]) == expected
+            assert theirs.keys.shape[2] == expected  # one sequence: no empty slots at all
+        if name not in UNCONSERVED:
+            assert sum(budgets) == Budget(ratio=0.5).total(n_layers, len(prompt))
+        check_promises(batch_cache, row, seen)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("name", METHODS)
+def test_after_prefill_every_method_holds_the_same_total(name, arch):
+    model = tiny_model(arch)
+    cache = CompressedCache(model, name, 0.3)
+    with torch.inference_mode():
+        model(input_ids=random_ids(150), cache=cache)
+    lengths = [layer.keys.shape[2] for layer in cache.layers]
+    if name == "full":
+        assert lengths == [150] * 4
+    elif name == "d2o-official":
+        assert lengths == [150] * 4  # it compresses at the first decode step
+    else:
+        assert sum(lengths) == round(4 * 0.3 * 150)
+        assert lengths == [int(layer.budget) for layer in cache.layers]
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_budget_one_equals_the_full_cache(name):
+    model = tiny_model("qwen2")
+    ids, follow = random_ids(80), random_ids(STEPS, seed=9)
+    cache = CompressedCache(model, name, 1.0)
+    reference = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        ours = [model(input_ids=ids, cache=cache).logits]
+        ours += [model(input_ids=follow[:, i:i + 1], cache=cache).logits for i in range(STEPS)]
+        model.set_attn_implementation("sdpa")
+        stock = [model(input_ids=ids, cache=reference).logits]
+        stock += [model(input_ids=follow[:, i:i + 1], cache=reference).logits for i in range(STEPS)]
+    for a, b in zip(ours, stock):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_float16_stays_finite(name):
+    model = tiny_model("llama", dtype=torch.float16)
+    cache = CompressedCache(model, name, 0.3)
+    with torch.inference_mode():
+        logits = model(input_ids=random_ids(150), cache=cache).logits
+        for _ in range(20):
+            logits = model(input_ids=logits[:, -1:].argmax(-1), cache=cache).logits
+            assert torch.isfinite(logits).all()
+    for layer in cache.layers:
+        assert torch.isfinite(layer.keys).all() and torch.isfinite(layer.values).all()
+
+
+# -- reference computations on explicit attention matrices -------------------------------------
+PROMPT, BUDGET = 120, 0.5  # 60 tokens per layer
+
+
+@pytest.fixture(scope="module")
+def explicit():
+    """A float64 model, its prompt, and the stock eager attention matrices (L x (B, H, S, S))."""
+    model = tiny_model("llama", dtype=torch.float64)
+    ids = random_ids(PROMPT, seed=4)
+    model.set_attn_implementation("eager")
+    with torch.inference_mode():
+        attentions = model(input_ids=ids, output_attentions=True).attentions
+    return model, ids, [a[0] for a in attentions]
+
+
+def kept_after_prefill(model, ids, name):
+    cache = CompressedCache(model, name, BUDGET)
+    with torch.inference_mode():
+        model(input_ids=ids, cache=cache)
+    return [[set(head.tolist()) for head in layer.token_index[0]] for layer in cache.layers]
+
+
+def top(scores, k, among):
+    """The k best of `among` by score (positions); equal scores go to the newer token."""
+    among = torch.as_tensor(list(among)).flip(0)
+    order = scores[among].argsort(descending=True, stable=True)
+    return set(among[order[:k]].tolist())
+
+
+def per_kv_head(attention, group=2):
+    return attention.view(-1, group, *attention.shape[1:])
+
+
+def test_h2o_keeps_the_heavy_hitters_of_the_column_sums(explicit):
+    model, ids, attentions = explicit
+    budget, recent = 60, 30
+    for layer, attention in zip(kept_after_prefill(model, ids, "h2o"), attentions):
+        mass = per_kv_head(attention).sum(dim=(1, 2))  # sum over the group's heads and the queries
+        for head, kept in enumerate(layer):
+            window = set(range(PROMPT - recent, PROMPT))
+            assert kept == window | top(mass[head], budget - recent, range(PROMPT - recent))
+
+
+def test_tova_keeps_what_the_last_query_attends_to(explicit):
+    model, ids, attentions = explicit
+    for layer, attention in zip(kept_after_prefill(model, ids, "tova"), attentions):
+        last = attention[:, -1].mean(0)  # mean over all query heads
+        expected = top(last, 60, range(PROMPT))
+        assert all(kept == expected for kept in layer)
+
+
+def test_snapkv_keeps_the_pooled_window_votes(explicit):
+    model, ids, attentions = explicit
+    window, kernel = 32, 7
+    for layer, attention in zip(kept_after_prefill(model, ids, "snapkv"), attentions):
+        votes = attention[:, -window:].sum(1)  # (H, S)
+        pooled = F.max_pool1d(votes[:, None], kernel, stride=1, padding=kernel // 2)[:, 0]
+        scores = per_kv_head(pooled).mean(1)
+        for head, kept in enumerate(layer):
+            expected = set(range(PROMPT - window, PROMPT)) | top(scores[head], 60 - window, range(PROMPT - window))
+            assert kept == expected
+
+
+def test_streamingllm_keeps_sinks_and_the_last_tokens(explicit):
+    model, ids, _ = explicit
+    for layer in kept_after_prefill(model, ids, "streamingllm"):
+        assert all(kept == set(range(4)) | set(range(PROMPT - 56, PROMPT)) for kept in layer)
+
+
+def test_local_keeps_the_last_tokens(explicit):
+    model, ids, _ = explicit
+    for layer in kept_after_prefill(model, ids, "local"):
+        assert all(kept == set(range(PROMPT - 60, PROMPT)) for kept in layer)
+
+
+def test_pyramidkv_budgets_fall_with_depth_and_keep_the_mean():
+    model = tiny_model("llama", num_hidden_layers=6)
+    cache = CompressedCache(model, "pyramidkv", 0.4)
+    with torch.inference_mode():
+        model(input_ids=random_ids(200), cache=cache)
+    budgets = [int(layer.budget) for layer in cache.layers]
+    assert budgets == sorted(budgets, reverse=True) and budgets[0] > budgets[-1]
+    assert sum(budgets) == round(6 * 0.4 * 200)
+    assert min(budgets) >= 33  # the observation window + 1
+
+
+def test_cam_merges_values_only_and_reproducibly():
+    model = tiny_model("llama")
+    ids = random_ids(150)
+    runs = []
+    for name in ("cam", "cam", "h2o"):
+        cache = CompressedCache(model, name, 0.3)
+        with torch.inference_mode():
+            model(input_ids=ids, cache=cache)
+        runs.append(cache.layers)
+    for first, again, plain in zip(*runs):
+        assert torch.equal(first.values, again.values) and int(first.merged) > 0  # seeded draws
+        # H2O's choice of tokens and keys; values received merges.
+        assert torch.equal(first.token_index, plain.token_index)
+        assert torch.equal(first.keys, plain.keys)
+        assert not torch.equal(first.values, plain.values)
+
+
+def test_sirllm_keeps_the_most_surprising_tokens():
+    model = tiny_model("llama")
+    ids = random_ids(150)
+    cache = CompressedCache(model, "sirllm", 0.3)
+    with torch.inference_mode():
+        logits = model(input_ids=ids).logits  # no d2o cache: every position, nothing evicted
+    surprisal = torch.logsumexp(logits[0, :-1].float(), -1) - logits[0, :-1].float().gather(-1, ids[0, 1:, None])[:, 0]
+    surprisal = torch.cat([torch.zeros(1), surprisal])
+    with torch.inference_mode():
+        model(input_ids=ids, cache=cache)
+    recent = 45 // 2
+    scored = 45 - recent - 4
+    expected = set(range(4)) | set(range(150 - recent, 150)) | top(surprisal, scored, range(4, 150 - recent))
+    for layer in cache.layers:
+        assert all(set(head.tolist()) == expected for head in layer.token_index[0])
+
+
+@pytest.mark.parametrize("name, options, budget, parameter", [
+    ("snapkv", {"window": 64}, 0.3, "window 64"),
+    ("snapkv", {"kernel": 4}, 0.3, "kernel=4 must be odd"),
+    ("pyramidkv", {"pooling": "median"}, 0.3, "pooling='median'"),
+    ("roco", {"window": 0}, 0.3, "window=0"),
+    ("sirllm", {"decay": 0.0}, 0.3, "decay=0.0"),
+    ("cam", {"span": 0}, 0.3, "span"),
+    ("h2o", {"split": (1, 2, 3)}, 0.3, "split"),
+    ("streamingllm", {"n_sinks": 40}, 0.2, "40 sinks"),
+    ("tova", {"window": 3}, 0.3, "options: "),
+    ("d2o", {"parity": "paper"}, 0.3, "parity='paper'"),
+])
+def test_out_of_range_method_options_name_the_parameter(name, options, budget, parameter):
+    model = tiny_model("llama")
+    with pytest.raises(D2OError, match=parameter):
+        method = get_method(name, **options)
+        cache = CompressedCache(model, method, budget)
+        with torch.inference_mode():
+            model(input_ids=random_ids(150), cache=cache)
