@@ -204,3 +204,24 @@ def test_bad_method_options_name_the_parameter(build, parameter):
         cache = CompressedCache(model, build(), 0.5)
         with torch.inference_mode():
             model(input_ids=random_ids(50), cache=cache)
+
+
+def test_official_preset_follows_the_released_code():
+    model = tiny_model("llama", num_hidden_layers=6)
+    ids = random_ids(200)
+    cache = CompressedCache(model, "d2o", 0.2, parity="official")
+    reference = CompressedCache(model, "full", 1.0)
+    with torch.inference_mode():
+        first = model(input_ids=ids, cache=cache).logits
+        full = model(input_ids=ids, cache=reference).logits
+        assert [layer.keys.shape[2] for layer in cache.layers] == [200] * 6  # nothing evicted at prefill
+        density = torch.tensor([float(layer_density(layer)[0]) for layer in cache.layers])
+        token = first[:, -1:].argmax(-1)
+        model(input_ids=token, cache=cache)  # the first decode step compresses, its query included
+    torch.testing.assert_close(first, full)
+    ratios = (6 * 0.2 * torch.softmax(-density.double(), 0)).clamp(0.01, 1.0)
+    expected = [math.floor(201 * r * 0.5) + math.floor(201 * r * 0.5) for r in ratios.tolist()]
+    lengths = [layer.keys.shape[2] for layer in cache.layers]
+    assert lengths[0] == lengths[1] == lengths[5] == 201  # exempt layers keep everything
+    assert lengths[2:5] == expected[2:5]
+    assert all(layer.keys.shape[1] == model.config.num_attention_heads for layer in cache.layers)  # repeated

@@ -52,6 +52,8 @@ def _make_attention(backend: str):
             kv_valid = padding[:, -n_keys:] if padding is not None else query.new_ones((batch, n_keys), dtype=torch.bool)
             new_valid = kv_valid[:, -n_query:]
             positions = None
+        if key.shape[1] != query.shape[1] // module.num_key_value_groups:  # KV heads stored repeated
+            module = _Grouping(module, query.shape[1] // key.shape[1])
         window_mask = _sliding_window(kwargs.get("sliding_window"), kv_valid, positions, n_query, module)
         scaling = module.scaling if scaling is None else scaling
 
@@ -80,6 +82,16 @@ def _make_attention(backend: str):
 
     attention.__name__ = f"d2o_{backend}_attention"
     return attention
+
+
+class _Grouping:
+    """The attention module as the kernels see it, with the query heads per stored KV head."""
+
+    def __init__(self, module, groups: int):
+        self.num_key_value_groups = groups
+        self.is_causal = getattr(module, "is_causal", True)
+        self.training = module.training
+        self.scaling = module.scaling
 
 
 def _sliding_window(window, kv_valid, positions, n_query, module):

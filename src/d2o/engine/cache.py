@@ -86,13 +86,16 @@ class CompressedLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
         if self.pending:
             raise D2OError(
                 "the model's attention is not d2o's hook: create the cache with d2o.CompressedCache(model, ...) "
                 "or call d2o.install(model) before running it"
             )
+        if self.cache.kv_repeats > 1:  # the released D2O's storage: one copy of each KV head per query head
+            key_states = key_states.repeat_interleave(self.cache.kv_repeats, dim=1)
+            value_states = value_states.repeat_interleave(self.cache.kv_repeats, dim=1)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         self.values = torch.cat([self.values, value_states], dim=-2)
         self.pending = key_states.shape[-2]
@@ -291,6 +294,8 @@ class CompressedCache(Cache):
             raise D2OError("method options go with a method name, not with a method object")
         self.budget = Budget.parse(budget)
         self.n_layers = config.num_hidden_layers
+        groups = config.num_attention_heads // config.num_key_value_heads
+        self.kv_repeats = groups if self.method.repeats_kv_heads else 1
         self.max_positions = getattr(config, "max_position_embeddings", None)
         super().__init__(layers=[CompressedLayer(self, i) for i in range(self.n_layers)])
         self.forwards = 0

@@ -65,6 +65,8 @@ class Method:
     evicts_during_decode: ClassVar[bool] = True
     # True: the engine computes each token's surprisal and calls `observe_tokens`.
     needs_surprisal: ClassVar[bool] = False
+    # True: KV heads are stored once per query head (the released D2O code; parity only).
+    repeats_kv_heads: ClassVar[bool] = False
 
     n_sinks: int = 0
     allocation: Allocation = field(default_factory=Uniform)

@@ -46,12 +46,13 @@ class D2OOfficial(D2O):
     layer ratios clamp(L * rho * softmax(-F), 0.01, 1) over all layers, exempt ones included (their
     share is lost); heavy and recent parts floor((S + 1) * part) separately, split 1:1; layers 0, 1
     and L-1 kept whole; a merge decided per token on its similarity averaged over heads and applied
-    as (k + sum m_e k_e) / (1 + n). Scores and storage stay per KV head (the released code repeats
-    KV heads to the query-head count; that changes which tokens are chosen, not the rule)."""
+    as (k + sum m_e k_e) / (1 + n); KV heads stored once per query head, so scores, eviction and
+    merging are per query head (the cache is H/G times larger: its reported bytes show it)."""
 
     name = "d2o-official"
     summary = "D2O as released: 1:1, exempt layers 0,1,L-1, first-decode compression, mean merge"
     compress_after_forward = 2
+    repeats_kv_heads = True
 
     split: tuple[int, int] = (1, 1)
     exempt_layers: tuple[int, ...] = (0, 1, -1)
