@@ -288,10 +288,14 @@ class CompressedCache(Cache):
         from d2o.methods import get_method
 
         install(model)
-        config = model.config.get_text_config()
-        self.method = get_method(method, **method_options) if isinstance(method, str) else method
         if method_options and not isinstance(method, str):
             raise D2OError("method options go with a method name, not with a method object")
+        method = get_method(method, **method_options) if isinstance(method, str) else method
+        self._setup(model.config.get_text_config(), method, budget)
+
+    def _setup(self, config, method: Method, budget) -> None:
+        self.config = config
+        self.method = method
         self.budget = Budget.parse(budget)
         self.n_layers = config.num_hidden_layers
         groups = config.num_attention_heads // config.num_key_value_heads
@@ -302,6 +306,30 @@ class CompressedCache(Cache):
         self.allocated = False
         self._holds = 0
         self._last_hidden = None  # the last real token's final hidden state (for surprisal)
+
+    def fork(self, method: Method, budget, slot_prefix: str = "") -> CompressedCache:
+        """A cache for ``method`` at ``budget`` continuing from this one's tokens, compressed now if
+        it is time. Key/value tensors are shared (nothing writes into them); the slot state under
+        ``slot_prefix`` becomes the new cache's own (copied, since methods accumulate into it)."""
+        new = CompressedCache.__new__(CompressedCache)
+        new._setup(self.config, method, budget)
+        if new.kv_repeats != self.kv_repeats:
+            raise D2OError(f"{method.name} stores KV heads differently: it cannot share another method's prefill")
+        new.forwards = self.forwards
+        new._last_hidden = self._last_hidden
+        for mine, theirs in zip(self.layers, new.layers):
+            if not mine.is_initialized:
+                continue
+            theirs.lazy_initialization(mine.keys, mine.values)
+            theirs.keys, theirs.values, theirs.token_index = mine.keys, mine.values, mine.token_index
+            theirs.seen, theirs.real_seen = mine.seen, mine.real_seen
+            theirs.slot_state = {
+                name[len(slot_prefix):]: state.clone()
+                for name, state in mine.slot_state.items()
+                if name.startswith(slot_prefix)
+            }
+        new.compress()
+        return new
 
     # -- lifecycle ----------------------------------------------------------------------------
     def reset(self) -> None:

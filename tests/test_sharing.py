@@ -1,0 +1,55 @@
+"""A shared prefill forks into caches identical to each method's own run."""
+
+import pytest
+import torch
+
+from d2o import CompressedCache, D2OError, get_method
+from d2o.engine.sharing import SharedPrefill
+from d2o.methods import REGISTRY
+
+from conftest import random_ids, tiny_model
+
+SHAREABLE = [name for name in REGISTRY if not REGISTRY[name].cls.repeats_kv_heads]
+
+
+def decode(model, cache, logits, steps=12):
+    tokens = []
+    with torch.inference_mode():
+        for _ in range(steps):
+            token = logits[:, -1:].argmax(-1)
+            tokens.append(int(token))
+            logits = model(input_ids=token, cache=cache).logits
+    return tokens
+
+
+def test_forks_equal_separate_runs():
+    model = tiny_model("qwen2", dtype=torch.float64)
+    ids = random_ids(160)
+    methods = [get_method(name) for name in SHAREABLE]
+    shared = SharedPrefill(model, methods)
+    with torch.inference_mode():
+        logits = model(input_ids=ids, cache=shared.cache).logits
+    for index, name in enumerate(SHAREABLE):
+        for budget in (0.3, "50t"):
+            fork = shared.fork(index, budget)
+            alone = CompressedCache(model, name, budget)
+            with torch.inference_mode():
+                alone_logits = model(input_ids=ids, cache=alone).logits
+            torch.testing.assert_close(alone_logits, logits)
+            for a, b in zip(fork.layers, alone.layers):
+                assert torch.equal(a.token_index, b.token_index), name
+                torch.testing.assert_close(a.keys, b.keys)
+                torch.testing.assert_close(a.values, b.values)
+            assert decode(model, fork, logits) == decode(model, alone, alone_logits), name
+    # The shared prefill itself kept everything, so it can be forked again.
+    assert [layer.keys.shape[2] for layer in shared.cache.layers] == [160] * 4
+
+
+def test_the_official_preset_cannot_share_a_prefill():
+    model = tiny_model("llama")
+    shared = SharedPrefill(model, [get_method("d2o")])
+    with torch.inference_mode():
+        model(input_ids=random_ids(50), cache=shared.cache)
+    shared.methods.append(get_method("d2o-official"))
+    with pytest.raises(D2OError, match="cannot share"):
+        shared.fork(1, 0.5)
