@@ -109,6 +109,72 @@ def demo(model: str = typer.Option("smollm2"), length: int = typer.Option(1500),
     run_demo(model, length, seed)
 
 
+@app.command("eval")
+def evaluate(
+    task: str = typer.Option(..., help="Task (see `d2o tasks`)."),
+    model: str = typer.Option("smollm2"),
+    methods: str = typer.Option("full,h2o,snapkv,pyramidkv,streamingllm,d2o", help="Comma-separated methods."),
+    budgets: str = typer.Option("0.1,0.2,0.5", help="Comma-separated budgets (ratios, or 128t)."),
+    limit: Optional[int] = typer.Option(None, help="Samples (per dataset / per NIAH cell)."),
+    seed: int = typer.Option(0),
+    out: Path = typer.Option(Path("out/eval"), help="Results folder (a rerun resumes there)."),
+    separate_prefill: bool = typer.Option(False, "--separate-prefill", help="Prefill once per method and budget."),
+    dtype: str = typer.Option("float32"),
+    attention: str = typer.Option("sdpa"),
+    length: Optional[int] = typer.Option(None, help="passkey/squad/coqa/perplexity: prompt or text tokens."),
+    lengths: Optional[str] = typer.Option(None, help="niah: haystack lengths, e.g. 500,1000,2000."),
+    depths: Optional[str] = typer.Option(None, help="niah: needle depths in [0, 1], e.g. 0,0.25,0.5,0.75,1."),
+    haystack: Optional[Path] = typer.Option(None, help="passkey/niah: a text file as filler."),
+    needle: Optional[str] = typer.Option(None), question: Optional[str] = typer.Option(None),
+    answer_prefix: Optional[str] = typer.Option(None), fact: Optional[str] = typer.Option(None),
+    text: Optional[Path] = typer.Option(None, help="perplexity: a text file instead of the essays."),
+    chunk: Optional[int] = typer.Option(None, help="perplexity: tokens fed per forward pass."),
+    data_dir: Optional[Path] = typer.Option(None, help="longbench: folder of {dataset}.jsonl files."),
+    datasets: Optional[str] = typer.Option(None, help="longbench: comma-separated datasets."),
+    max_length: Optional[int] = typer.Option(None, help="longbench: prompt tokens after truncation."),
+    shots: Optional[int] = typer.Option(None, help="gsm8k: worked examples."),
+    option: list[str] = typer.Option([], "--option", help="A method option METHOD.NAME=VALUE (repeatable)."),
+):
+    """Evaluate methods x budgets on a task; writes samples.jsonl, summary.csv/.md and plots to OUT."""
+    from d2o.eval.sweep import EvalConfig, run_eval
+
+    def numbers(value, kind):
+        return None if value is None else tuple(kind(v) for v in value.split(",") if v.strip())
+
+    task_options = dict(
+        length=length, lengths=numbers(lengths, int), depths=numbers(depths, float),
+        haystack=str(haystack) if haystack else None, needle=needle, question=question,
+        answer_prefix=answer_prefix, fact=fact, text=str(text) if text else None, chunk=chunk,
+        data_dir=str(data_dir) if data_dir else None, datasets=numbers(datasets, str), max_length=max_length,
+        shots=shots,
+    )
+    method_options: dict = {}
+    for pair in option:
+        target, dot, rest = pair.partition(".")
+        if not dot:
+            raise D2OError(f"--option {pair!r}: expected METHOD.NAME=VALUE")
+        method_options.setdefault(target, {}).update(parse_options([rest]))
+    config = EvalConfig(
+        task=task, model=model, methods=tuple(m.strip() for m in methods.split(",") if m.strip()),
+        budgets=tuple(b.strip() for b in budgets.split(",") if b.strip()), limit=limit, seed=seed, out=str(out),
+        shared_prefill=not separate_prefill, dtype=dtype, attention=attention,
+        task_options={k: v for k, v in task_options.items() if v is not None}, method_options=method_options,
+    )
+    rows = run_eval(config)
+    print((out / "summary.md").read_text())
+    print(f"[{len(rows)} rows; files in {out}]", file=sys.stderr)
+
+
+@app.command()
+def tasks():
+    """List the evaluation tasks."""
+    from d2o.eval.tasks import TASKS
+
+    width = max(len(name) for name in TASKS)
+    for name, cls in TASKS.items():
+        print(f"{name:<{width}}  {cls.summary}")
+
+
 @bench_app.command("prefill")
 def bench_prefill(
     model: str = typer.Option("smollm2"),

@@ -10,7 +10,9 @@ import random
 import re
 from dataclasses import dataclass
 
+from d2o.data import essays, read_text_file
 from d2o.errors import D2OError
+from d2o.eval.tasks.base import Sample, Task, register_task
 
 INTRO = (
     "There is an important piece of information hidden inside a lot of irrelevant text. "
@@ -61,3 +63,30 @@ def passkey_score(prediction: str, key: str) -> float:
     """1.0 when the first number of the answer is the key."""
     numbers = re.findall(r"\d+", prediction)
     return float(bool(numbers) and numbers[0] == key)
+
+
+@register_task
+@dataclass
+class Passkey(Task):
+    """``length`` tokens of filler (the essays, or ``haystack``: a text file) with a random
+    5-digit key at a random depth; 10 prompts unless ``--limit`` says otherwise."""
+
+    name = "passkey"
+    summary = "passkey retrieval: exact match of a random key hidden in real text"
+    metrics = ("accuracy",)
+
+    length: int = 1500
+    haystack: str | None = None
+
+    def samples(self, tokenizer, limit, seed):
+        filler = read_text_file(self.haystack) if self.haystack else essays()
+        rng = random.Random(seed)
+        prompts = [make_passkey_prompt(tokenizer, filler, self.length, rng) for _ in range(limit or 10)]
+        return [
+            Sample(f"passkey-{self.length}-{seed}-{i}", p.text, p.key, max_new_tokens=8,
+                   meta={"depth": round(p.depth, 3), "tokens": p.n_tokens})
+            for i, p in enumerate(prompts)
+        ]
+
+    def score(self, prediction, sample):
+        return {"accuracy": passkey_score(prediction, sample.gold)}

@@ -1,0 +1,143 @@
+"""Scores: SQuAD's F1 and exact match, ROUGE-L, and LongBench's official metrics.
+
+LongBench's metrics are restated from its ``metrics.py`` (v1): QA F1 over SQuAD-normalised words;
+ROUGE-L as the ``rouge`` package computes it (sentences split on ".", summary-level union LCS
+over distinct words); classification with partial credit; retrieval and count accuracy over the
+numbers in the answer; code edit similarity (fuzzywuzzy's ratio, which is difflib's without
+python-Levenshtein) on the first line that is not a comment.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import string
+from collections import Counter
+
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_PUNCTUATION = set(string.punctuation)
+
+
+def normalize_answer(text: str) -> str:
+    """SQuAD's normalisation: lower case, no punctuation, no articles, single spaces."""
+    text = "".join(ch for ch in text.lower() if ch not in _PUNCTUATION)
+    return " ".join(_ARTICLES.sub(" ", text).split())
+
+
+def token_f1(prediction_tokens: list[str], gold_tokens: list[str]) -> float:
+    common = Counter(prediction_tokens) & Counter(gold_tokens)
+    same = sum(common.values())
+    if same == 0:
+        return 0.0
+    precision, recall = same / len(prediction_tokens), same / len(gold_tokens)
+    return 2 * precision * recall / (precision + recall)
+
+
+def qa_f1(prediction: str, gold: str) -> float:
+    """SQuAD / LongBench QA F1 between one prediction and one gold answer."""
+    return token_f1(normalize_answer(prediction).split(), normalize_answer(gold).split())
+
+
+def exact_match(prediction: str, gold: str) -> float:
+    return float(normalize_answer(prediction) == normalize_answer(gold))
+
+
+def best_over(metric, prediction: str, golds: list[str]) -> float:
+    """The best score against any of the gold answers (SQuAD's and LongBench's rule)."""
+    return max((metric(prediction, gold) for gold in golds), default=0.0)
+
+
+# -- ROUGE-L ------------------------------------------------------------------------------------
+def _lcs_words(a: list[str], b: list[str]) -> list[str]:
+    """One longest common subsequence of two word lists (dynamic programming, iterative backtrace)."""
+    table = [[0] * (len(b) + 1) for _ in range(len(a) + 1)]
+    for i, word_a in enumerate(a, 1):
+        for j, word_b in enumerate(b, 1):
+            table[i][j] = table[i - 1][j - 1] + 1 if word_a == word_b else max(table[i - 1][j], table[i][j - 1])
+    words, i, j = [], len(a), len(b)
+    while i and j:
+        if a[i - 1] == b[j - 1]:
+            words.append(a[i - 1])
+            i, j = i - 1, j - 1
+        elif table[i - 1][j] >= table[i][j - 1]:
+            i -= 1
+        else:
+            j -= 1
+    return words[::-1]
+
+
+def _sentences(text: str) -> list[list[str]]:
+    return [" ".join(part.split()).split(" ") for part in text.split(".") if part.strip()]
+
+
+def rouge_l(prediction: str, reference: str) -> float:
+    """ROUGE-L F as the ``rouge`` package (LongBench's) computes it: sentences split on ".",
+    the union of each reference sentence's LCS with every prediction sentence, counted over
+    distinct words; F = 2PR / (P + R + 1e-8). An empty text scores 0."""
+    hypothesis, references = _sentences(prediction), _sentences(reference)
+    if not hypothesis or not references:
+        return 0.0
+    hit: set[str] = set()
+    for ref in references:
+        for hyp in hypothesis:
+            hit.update(_lcs_words(ref, hyp))
+    reference_words = {w for sentence in references for w in sentence}
+    hypothesis_words = {w for sentence in hypothesis for w in sentence}
+    recall, precision = len(hit) / len(reference_words), len(hit) / len(hypothesis_words)
+    return 2 * precision * recall / (precision + recall + 1e-8)
+
+
+# -- LongBench's other metrics ------------------------------------------------------------------
+def classification_score(prediction: str, gold: str, all_classes: list[str]) -> float:
+    """Partial credit 1/len(matches) when the gold class is among the class names in the answer.
+
+    A class name inside the gold label but not equal to it (e.g. "City" for "Location City") is
+    dropped first; as in LongBench, the list is filtered while it is walked, so the name after a
+    dropped one is not checked (kept for comparable scores).
+    """
+    matches = [name for name in all_classes if name in prediction]
+    index = 0
+    while index < len(matches):
+        name = matches[index]
+        if name in gold and name != gold:
+            matches.pop(index)  # LongBench's loop then skips the name that slides into this place
+        index += 1
+    return 1.0 / len(matches) if gold in matches else 0.0
+
+
+def retrieval_score(prediction: str, gold: str) -> float:
+    """Share of the numbers in the answer that are the gold paragraph's ("Paragraph 12")."""
+    found = re.findall(r"Paragraph (\d+)", gold)
+    numbers = re.findall(r"\d+", prediction)
+    if not found or not numbers:
+        return 0.0
+    return sum(n == found[0] for n in numbers) / len(numbers)
+
+
+def count_score(prediction: str, gold: str) -> float:
+    """Share of the numbers in the answer equal to the gold count (as strings)."""
+    numbers = re.findall(r"\d+", prediction)
+    return sum(n == str(gold) for n in numbers) / len(numbers) if numbers else 0.0
+
+
+def code_sim_score(prediction: str, gold: str) -> float:
+    """Edit similarity of the first line without ` # or // to the gold line, in [0, 1]."""
+    lines = prediction.lstrip("\n").split("\n")
+    line = next((l for l in lines if "`" not in l and "#" not in l and "//" not in l), "")
+    if line == gold:
+        return 1.0
+    if not line or not gold:
+        return 0.0
+    return round(100 * difflib.SequenceMatcher(None, line, gold).ratio()) / 100
+
+
+def final_number(text: str) -> str | None:
+    """The answer of a chain of thought: the number after "The answer is", else the last number."""
+    cleaned = text.replace(",", "")
+    stated = re.search(r"answer is\s*\$?\s*(-?\d+(?:\.\d+)?)", cleaned, flags=re.IGNORECASE)
+    numbers = re.findall(r"-?\d+(?:\.\d+)?", cleaned)
+    value = stated.group(1) if stated else (numbers[-1] if numbers else None)
+    if value is None:
+        return None
+    number = float(value)
+    return str(int(number)) if number.is_integer() else str(number)

@@ -1,0 +1,109 @@
+"""Results on disk: samples.jsonl (append-only), summary.csv and summary.md (rewritten whole)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+from collections import defaultdict
+from pathlib import Path
+from statistics import fmean
+
+from d2o.budget import Budget
+from d2o.errors import D2OError
+
+FULL_BUDGET = str(Budget(ratio=1.0))  # the label of the full cache's runs
+
+
+class SampleStore:
+    """``samples.jsonl``: one line per sample x method x budget, appended and flushed at once."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def read(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        lines = []
+        with self.path.open(encoding="utf-8") as stream:
+            for number, line in enumerate(stream, 1):
+                if not line.strip():
+                    continue
+                try:
+                    lines.append(json.loads(line))
+                except json.JSONDecodeError:
+                    raise D2OError(f"{self.path}:{number}: not valid JSON (a run was cut off mid-line? "
+                                   f"delete that line to resume)") from None
+        return lines
+
+    def keys(self) -> set[tuple[str, str, str]]:
+        return {(line["sample_id"], line["method"], line["budget"]) for line in self.read()}
+
+    def append(self, line: dict) -> None:
+        with self.path.open("a", encoding="utf-8") as stream:
+            stream.write(json.dumps(line, ensure_ascii=False, default=str) + "\n")
+            stream.flush()
+            os.fsync(stream.fileno())
+
+
+def task_label(line: dict) -> str:
+    return f"{line['task']}/{line['subtask']}" if line.get("subtask") else line["task"]
+
+
+def summarize(lines: list[dict], task, config) -> list[dict]:
+    """Mean main score per (task, method, budget) over the samples of this configuration."""
+    wanted_methods = set(config.methods)
+    groups: dict[tuple, list[float]] = defaultdict(list)
+    for line in lines:
+        if line["task"] == task.name and line["method"] in wanted_methods:
+            groups[(task_label(line), line["method"], line["budget"])].append(line["score"])
+    order = {name: i for i, name in enumerate(config.methods)}
+    rows = [
+        {"task": label, "method": method, "budget": budget, "score": round(fmean(scores), 4), "n": len(scores)}
+        for (label, method, budget), scores in groups.items()
+    ]
+    return sorted(rows, key=lambda r: (r["task"], order[r["method"]], _budget_key(r["budget"])))
+
+
+def _budget_key(budget: str):
+    return (0, float(budget)) if not budget.endswith("t") else (1, float(budget[:-1]))
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    partial = path.with_suffix(path.suffix + ".partial")
+    partial.write_text(text, encoding="utf-8")
+    os.replace(partial, path)
+
+
+def write_summaries(out: Path, rows: list[dict], task, config) -> None:
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=["task", "method", "budget", "score", "n"], lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    _atomic_write(out / "summary.csv", buffer.getvalue())
+    _atomic_write(out / "summary.md", markdown_table(rows, task, config))
+
+
+def markdown_table(rows: list[dict], task, config) -> str:
+    """One table per task label: methods as rows, budgets as columns (the full cache in every column)."""
+    budgets = sorted({r["budget"] for r in rows if r["method"] != "full"}, key=_budget_key)
+    direction = "higher is better" if task.higher_is_better else "lower is better"
+    parts = [f"Model `{config.model}`, seed {config.seed}; score: {task.metrics[0]} ({direction}), "
+             f"mean over n samples.\n"]
+    for label in sorted({r["task"] for r in rows}):
+        table = {(r["method"], r["budget"]): r for r in rows if r["task"] == label}
+        methods = [m for m in config.methods if any(key[0] == m for key in table)]
+        parts.append(f"### {label}\n")
+        parts.append("| method | " + " | ".join(f"budget {b}" for b in budgets) + " | n |")
+        parts.append("|---|" + "---|" * (len(budgets) + 1))
+        for method in methods:
+            cells, counts = [], set()
+            for budget in budgets:
+                row = table.get((method, FULL_BUDGET if method == "full" else budget))
+                cells.append(f"{row['score']:.3f}" if row else "")
+                if row:
+                    counts.add(row["n"])
+            parts.append(f"| {method} | " + " | ".join(cells) + f" | {'/'.join(map(str, sorted(counts)))} |")
+        parts.append("")
+    return "\n".join(parts) + "\n"

@@ -1,0 +1,87 @@
+"""What a task is: samples (prompt, gold answer) and a scorer; plus the task registry."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from d2o.errors import D2OError
+
+
+@dataclass
+class Sample:
+    """One prompt to answer. ``stop``: generation ends before the first of these strings."""
+
+    id: str
+    prompt: str
+    gold: Any
+    max_new_tokens: int
+    stop: tuple[str, ...] = ()
+    special_tokens: bool = True  # False when the prompt is already wrapped in a chat template
+    meta: dict = field(default_factory=dict)
+
+
+@dataclass
+class Task:
+    """Base of generation tasks. ``metrics`` names the scores ``score`` returns, main one first."""
+
+    name: ClassVar[str] = ""
+    summary: ClassVar[str] = ""
+    metrics: ClassVar[tuple[str, ...]] = ("score",)
+    higher_is_better: ClassVar[bool] = True
+    chat: ClassVar[bool] = False  # wrap prompts in the model's chat template
+
+    def samples(self, tokenizer, limit: int | None, seed: int) -> list[Sample]:
+        raise NotImplementedError
+
+    def score(self, prediction: str, sample: Sample) -> dict[str, float]:
+        raise NotImplementedError
+
+    def settings(self) -> dict:
+        """The options that define the samples (recorded, and checked when a run resumes)."""
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}
+
+
+TASKS: dict[str, type[Task]] = {}
+
+
+def register_task(cls: type[Task]) -> type[Task]:
+    TASKS[cls.name] = cls
+    return cls
+
+
+def get_task(name: str, **options) -> Task:
+    if name not in TASKS:
+        raise D2OError(f"unknown task {name!r}; choose one of: {', '.join(TASKS)}")
+    cls = TASKS[name]
+    known = set(cls.__dataclass_fields__)
+    given = {k: v for k, v in options.items() if v is not None}
+    unknown = sorted(set(given) - known)
+    if unknown:
+        raise D2OError(f"task {name!r} takes no option {', '.join(unknown)}; its options: {', '.join(sorted(known)) or 'none'}")
+    return cls(**given)
+
+
+def take(items: list, limit: int | None, seed: int) -> list:
+    """A seeded random subset of ``limit`` items (all of them, shuffled, if limit is None)."""
+    items = list(items)
+    random.Random(seed).shuffle(items)
+    return items if limit is None else items[:limit]
+
+
+def pack_passages(tokenizer, target: str, distractors: list[str], n_tokens: int, rng: random.Random,
+                  separator: str = "\n\n") -> tuple[str, int]:
+    """The target passage among distractors until about ``n_tokens`` tokens; returns the text and
+    the target's position among the passages (a long context for short-context QA data)."""
+    used = len(tokenizer(target, add_special_tokens=False).input_ids)
+    chosen = []
+    for passage in distractors:
+        cost = len(tokenizer(passage, add_special_tokens=False).input_ids) + 2
+        if used + cost > n_tokens:
+            break
+        chosen.append(passage)
+        used += cost
+    position = rng.randint(0, len(chosen))
+    chosen.insert(position, target)
+    return separator.join(chosen), position

@@ -1,0 +1,53 @@
+"""CoQA (test): a conversation about one story, the story packed among other stories."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+
+from d2o.eval.downloads import BIGBENCH, archive_member
+from d2o.eval.metrics import best_over, exact_match, qa_f1
+from d2o.eval.tasks.base import Sample, Task, pack_passages, register_task, take
+
+INSTRUCTION = "Read the stories below, then answer the questions about them briefly.\n\n"
+
+
+@register_task
+@dataclass
+class Coqa(Task):
+    """For each story, one turn of its conversation, asked after the earlier turns (questions
+    with their gold answers); the story sits among other stories to about ``length`` tokens.
+    Scored by F1 and exact match against the turn's answer and its additional answers."""
+
+    name = "coqa"
+    summary = "CoQA conversational QA, stories packed to a long context; F1 / exact match"
+    metrics = ("f1", "exact_match")
+
+    length: int = 1500
+    history: int = 3  # earlier turns shown
+
+    def samples(self, tokenizer, limit, seed):
+        path = archive_member(BIGBENCH, "coqa_conversational_question_answering/coqa.test.json")
+        stories = json.loads(path.read_text(encoding="utf-8"))["data"]
+        rng = random.Random(seed)
+        samples = []
+        for story in take(stories, limit or 50, seed):
+            questions, answers = story["questions"], story["answers"]
+            turn = rng.randrange(min(len(questions), len(answers)))
+            golds = {answers[turn]["input_text"]}
+            for extra in story.get("additional_answers", {}).values():
+                if turn < len(extra):
+                    golds.add(extra[turn]["input_text"])
+            others = [s["story"] for s in rng.sample(stories, 40) if s["id"] != story["id"]]
+            context, position = pack_passages(tokenizer, story["story"], others, self.length - 120, rng)
+            dialogue = "".join(f"Q: {questions[t]['input_text']}\nA: {answers[t]['input_text']}\n"
+                               for t in range(max(0, turn - self.history), turn))
+            prompt = f"{INSTRUCTION}{context}\n\n{dialogue}Q: {questions[turn]['input_text']}\nA:"
+            samples.append(Sample(f"coqa-{story['id']}-{turn}-{self.length}", prompt, sorted(golds),
+                                  max_new_tokens=24, stop=("\n",), meta={"turn": turn, "position": position}))
+        return samples
+
+    def score(self, prediction, sample):
+        return {"f1": best_over(qa_f1, prediction, sample.gold),
+                "exact_match": best_over(exact_match, prediction, sample.gold)}

@@ -1,0 +1,67 @@
+"""Long-document language modelling under compression (StreamingLLM / PG-19 style)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from d2o.budget import Budget
+from d2o.data import essays, read_text_file
+from d2o.engine.cache import CompressedCache
+from d2o.errors import D2OError
+from d2o.eval.tasks.base import Task, register_task
+
+
+@register_task
+@dataclass
+class Perplexity(Task):
+    """The first ``length`` tokens of a real text (the essays, or ``text``: a file) fed ``chunk``
+    tokens at a time through the compressed cache, each chunk attending to what the cache kept of
+    everything before; the score is the perplexity of every token after the first. A ratio
+    budget is a share of the whole text's KV cache (0.1 of 8192 tokens: 819 tokens per layer); a
+    token budget (``256t``) is used as it is. The curve is the perplexity of each ``window``."""
+
+    name = "perplexity"
+    summary = "perplexity of a long real text fed in chunks through the compressed cache"
+    metrics = ("perplexity",)
+    higher_is_better = False
+
+    length: int = 8192
+    chunk: int = 64
+    window: int = 512
+    text: str | None = None
+
+    def __post_init__(self):
+        if self.chunk < 1 or self.length < 2 * self.chunk:
+            raise D2OError(f"perplexity needs chunk >= 1 and length >= 2 chunks, got chunk {self.chunk}, "
+                           f"length {self.length}")
+
+    def tokens(self, tokenizer) -> torch.Tensor:
+        source = read_text_file(self.text) if self.text else essays()
+        ids = tokenizer(source, add_special_tokens=False).input_ids
+        if len(ids) < self.length:
+            raise D2OError(f"the text has {len(ids)} tokens, fewer than --length {self.length}")
+        return torch.tensor([ids[: self.length]])
+
+    def cache_budget(self, budget: Budget) -> Budget:
+        return Budget(tokens=max(1, round(budget.ratio * self.length))) if budget.ratio is not None else budget
+
+    def evaluate(self, model, tokens: torch.Tensor, method, budget: Budget) -> dict:
+        """Negative log-likelihood of every token after the first, and the per-window perplexity."""
+        cache = CompressedCache(model, method, self.cache_budget(budget))
+        device = next(model.parameters()).device
+        losses, previous = [], None
+        with torch.inference_mode():
+            for start in range(0, tokens.shape[1], self.chunk):
+                chunk = tokens[:, start : start + self.chunk].to(device)
+                logits = model(input_ids=chunk, cache=cache).logits[0].float()
+                predictors = logits[:-1] if previous is None else torch.cat([previous[None], logits[:-1]])
+                targets = chunk[0] if previous is not None else chunk[0, 1:]
+                losses.append(torch.nn.functional.cross_entropy(predictors, targets, reduction="none"))
+                previous = logits[-1]
+        nll = torch.cat(losses).double()
+        curve = [math.exp(part.mean().item()) for part in nll.split(self.window)]
+        report = cache.report()
+        return {"perplexity": math.exp(nll.mean().item()), "curve": curve, "report": report}

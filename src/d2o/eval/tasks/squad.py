@@ -1,0 +1,57 @@
+"""SQuAD v1.1 (dev) made long: the question's passage packed among passages of other articles."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+
+from d2o.eval.downloads import BIGBENCH, archive_member
+from d2o.eval.metrics import best_over, exact_match, qa_f1
+from d2o.eval.tasks.base import Sample, Task, pack_passages, register_task, take
+
+INSTRUCTION = "Answer the question with a short phrase copied from the passages below.\n\n"
+
+
+def squad_records() -> list[dict]:
+    """(title, passage, question, answers) of SQuAD v1.1 dev, read from the bigbench sdist."""
+    data = json.loads(archive_member(BIGBENCH, "squad_shifts/squaddev_v1.1.json").read_text(encoding="utf-8"))
+    records = []
+    for article in data["data"]:
+        for paragraph in article["paragraphs"]:
+            for qa in paragraph["qas"]:
+                answers = sorted({a["text"] for a in qa["answers"]})
+                records.append({"id": qa["id"], "title": article["title"], "context": paragraph["context"],
+                                "question": qa["question"], "answers": answers})
+    return records
+
+
+@register_task
+@dataclass
+class Squad(Task):
+    """Extractive QA over about ``length`` tokens: the gold passage at a random place among
+    passages of other articles. Scored by F1 and exact match with SQuAD's normalisation (best
+    over the gold answers)."""
+
+    name = "squad"
+    summary = "SQuAD v1.1 dev, passages packed to a long context; F1 / exact match"
+    metrics = ("f1", "exact_match")
+
+    length: int = 1500
+
+    def samples(self, tokenizer, limit, seed):
+        records = squad_records()
+        passages = sorted({(r["title"], r["context"]) for r in records})
+        rng = random.Random(seed)
+        samples = []
+        for record in take(records, limit or 50, seed):
+            others = [p for t, p in rng.sample(passages, min(len(passages), 60)) if t != record["title"]]
+            context, position = pack_passages(tokenizer, record["context"], others, self.length - 60, rng)
+            prompt = f"{INSTRUCTION}{context}\n\nQuestion: {record['question']}\nAnswer:"
+            samples.append(Sample(f"squad-{record['id']}-{self.length}", prompt, record["answers"],
+                                  max_new_tokens=24, stop=("\n",), meta={"position": position}))
+        return samples
+
+    def score(self, prediction, sample):
+        return {"f1": best_over(qa_f1, prediction, sample.gold),
+                "exact_match": best_over(exact_match, prediction, sample.gold)}

@@ -1,0 +1,99 @@
+"""`d2o eval` end to end on the real model, with small settings."""
+
+import csv
+import json
+import math
+
+import pytest
+import torch
+
+from d2o import D2OError
+from d2o.eval.sweep import EvalConfig, run_eval
+from d2o.eval.tasks import get_task
+
+PASSKEY = dict(task="passkey", budgets=("0.5",), limit=2, task_options={"length": 400})
+
+
+def lines(folder):
+    return [json.loads(line) for line in (folder / "samples.jsonl").read_text().splitlines()]
+
+
+def key(line):
+    return line["sample_id"], line["method"], line["budget"]
+
+
+def test_sweep_writes_results_and_resumes(real_model, tmp_path):
+    out = tmp_path / "run"
+    rows = run_eval(EvalConfig(methods=("full", "h2o", "d2o"), out=str(out), **PASSKEY), progress=False)
+    first = (out / "samples.jsonl").read_text()
+    assert len(lines(out)) == 2 * 3
+    assert {(r["method"], r["budget"], r["n"]) for r in rows} == {("full", "1", 2), ("h2o", "0.5", 2), ("d2o", "0.5", 2)}
+    with (out / "summary.csv").open() as stream:
+        table = list(csv.DictReader(stream))
+    assert list(table[0]) == ["task", "method", "budget", "score", "n"]
+    assert "| method | budget 0.5 | n |" in (out / "summary.md").read_text()
+    assert (out / "score_vs_budget.png").stat().st_size > 0 and (out / "d2o_layer_budgets.png").exists()
+    for line in lines(out):
+        assert line["score"] == float(line["prediction"].strip(". ").startswith(line["gold"]))
+        if line["method"] != "full":
+            assert line["kv_tokens_kept"] == sum(line["layer_budgets"])
+            assert line["kv_tokens_kept"] == round(30 * 0.5 * line["meta"]["tokens"])
+
+    # A rerun with one more method computes only that method; what was written stays as it was.
+    run_eval(EvalConfig(methods=("full", "h2o", "d2o", "snapkv"), out=str(out), **PASSKEY), progress=False)
+    assert (out / "samples.jsonl").read_text().startswith(first)
+    assert sorted(line["method"] for line in lines(out)[6:]) == ["snapkv", "snapkv"]
+
+    # One prefill per sample gives the answers of separate runs, and a seed gives the same samples.
+    separate = tmp_path / "separate"
+    run_eval(EvalConfig(methods=("full", "h2o", "d2o", "snapkv"), out=str(separate), shared_prefill=False,
+                        **PASSKEY), progress=False)
+    shared = {key(line): line["prediction"] for line in lines(out)}
+    assert {key(line): line["prediction"] for line in lines(separate)} == shared
+
+
+def test_bad_input_leaves_results_intact(real_model, tmp_path):
+    out = tmp_path / "run"
+    run_eval(EvalConfig(methods=("full",), out=str(out), **PASSKEY), progress=False)
+    before = {path.name: path.read_bytes() for path in out.iterdir()}
+    with pytest.raises(D2OError, match="another configuration .*seed"):
+        run_eval(EvalConfig(methods=("full",), out=str(out), **{**PASSKEY, "limit": 1}, seed=1), progress=False)
+    with pytest.raises(D2OError, match="unknown method 'nope'"):
+        run_eval(EvalConfig(methods=("full", "nope"), out=str(out), **PASSKEY), progress=False)
+    with pytest.raises(D2OError, match="budget ratio must be in"):
+        run_eval(EvalConfig(methods=("h2o",), out=str(out), **{**PASSKEY, "budgets": ("2",)}), progress=False)
+    with pytest.raises(D2OError, match="unknown task"):
+        run_eval(EvalConfig(task="nope", out=str(out)), progress=False)
+    assert {path.name: path.read_bytes() for path in out.iterdir()} == before
+    too_long = tmp_path / "long"
+    with pytest.raises(D2OError, match=r"prompt too long for the model: .* the model has 8192 \(\d+ too many\)"):
+        run_eval(EvalConfig(methods=("full",), out=str(too_long), **{**PASSKEY, "task_options": {"length": 8400}}),
+                 progress=False)
+    assert not (too_long / "samples.jsonl").exists()
+
+
+def test_niah_grid_and_heatmaps(real_model, tmp_path):
+    config = EvalConfig(task="niah", methods=("full", "d2o"), budgets=("0.5",), out=str(tmp_path),
+                        task_options={"lengths": (300, 500), "depths": (0.0, 1.0)})
+    rows = run_eval(config, progress=False)
+    assert len(lines(tmp_path)) == 4 * 2 and {r["n"] for r in rows} == {4}
+    assert {(line["meta"]["length"], line["meta"]["depth"]) for line in lines(tmp_path)} == {
+        (300, 0.0), (300, 1.0), (500, 0.0), (500, 1.0)}
+    assert (tmp_path / "niah_heatmap_0.5.png").exists()
+
+
+def test_perplexity_with_full_cache_equals_one_forward(real_model, tmp_path):
+    model, tokenizer = real_model
+    task = get_task("perplexity", length=256, chunk=64, window=128)
+    tokens = task.tokens(tokenizer)
+    with torch.inference_mode():
+        logits = model(input_ids=tokens).logits[0, :-1].float()
+    direct = math.exp(torch.nn.functional.cross_entropy(logits, tokens[0, 1:]).item())
+    config = EvalConfig(task="perplexity", methods=("full", "streamingllm"), budgets=("0.25",), out=str(tmp_path),
+                        task_options={"length": 256, "chunk": 64})
+    rows = {r["method"]: r for r in run_eval(config, progress=False)}
+    assert rows["full"]["score"] == pytest.approx(direct, rel=1e-4)
+    assert rows["streamingllm"]["score"] > rows["full"]["score"]
+    streaming = next(line for line in lines(tmp_path) if line["method"] == "streamingllm")
+    assert streaming["kv_tokens_kept"] == 30 * 64  # 0.25 of 256 tokens per layer
+    assert (tmp_path / "perplexity_curve_0.25.png").exists()

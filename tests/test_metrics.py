@@ -1,0 +1,148 @@
+"""Metrics against hand-computed values, and LongBench's loader on fixtures written here."""
+
+import json
+
+import pytest
+
+from d2o import D2OError
+from d2o.eval.metrics import (
+    best_over,
+    classification_score,
+    code_sim_score,
+    count_score,
+    exact_match,
+    final_number,
+    normalize_answer,
+    qa_f1,
+    retrieval_score,
+    rouge_l,
+)
+from d2o.eval.tasks import get_task
+from d2o.eval.tasks.base import Sample
+from d2o.eval.tasks.niah import fact_recall
+
+
+def test_squad_normalisation_f1_and_exact_match():
+    assert normalize_answer("The  Denver Broncos!") == "denver broncos"
+    # "denver broncos" vs "broncos of denver": 2 common, P = 2/2, R = 2/3 -> F1 = 0.8
+    assert qa_f1("The Denver Broncos", "Broncos of Denver") == pytest.approx(0.8)
+    assert exact_match("the Broncos.", "Broncos") == 1.0
+    assert best_over(qa_f1, "Santa Clara", ["Levi's Stadium", "Santa Clara, California"]) == pytest.approx(0.8)
+    assert qa_f1("", "anything") == 0.0
+
+
+def test_rouge_l_is_the_union_lcs_over_distinct_words():
+    # One sentence each: LCS of "the cat sat on the mat" / "the cat lay on the mat" = the cat on the mat,
+    # distinct LCS words {the, cat, on, mat} = 4; distinct words 5 and 5 -> P = R = 0.8.
+    assert rouge_l("the cat sat on the mat", "the cat lay on the mat") == pytest.approx(0.8, abs=1e-6)
+    # Two reference sentences: LCS words {a, b} and {d} -> 3 of the reference's 4 distinct words,
+    # the hypothesis has 5 distinct words: R = 3/4, P = 3/5, F = 2/3.
+    assert rouge_l("a b c d e", "a b. x d") == pytest.approx(2 / 3, abs=1e-6)
+    assert rouge_l("", "a b") == 0.0 and rouge_l("same words", "same words") == pytest.approx(1.0, abs=1e-6)
+
+
+def test_classification_gives_partial_credit_and_drops_contained_names():
+    classes = ["City", "Location City", "Person"]
+    assert classification_score("It is a Location City.", "Location City", classes) == 1.0  # "City" dropped
+    assert classification_score("Person or Location City", "Location City", classes) == 0.5
+    assert classification_score("Person", "Location City", classes) == 0.0
+    # LongBench's loop skips the name after a dropped one: [a, ab, abc] -> [ab, abc] -> 1/2.
+    assert classification_score("abc ab a", "abc", ["a", "ab", "abc"]) == 0.5
+
+
+def test_retrieval_count_and_code_similarity():
+    assert retrieval_score("Paragraph 12", "Paragraph 12") == 1.0
+    assert retrieval_score("Paragraph 3 or Paragraph 12", "Paragraph 12") == 0.5
+    assert retrieval_score("no idea", "Paragraph 12") == 0.0
+    assert count_score("There are 7 unique paragraphs, not 8", "7") == 0.5
+    assert code_sim_score("```python\n# comment\nx = foo(1)\n", "x = foo(1)") == 1.0
+    # difflib: "abcd" vs "abce" share 3 of 8 characters twice -> 2*3/8 = 0.75.
+    assert code_sim_score("abcd", "abce") == 0.75
+    assert code_sim_score("# only comments", "x = 1") == 0.0
+
+
+def test_final_number_of_a_chain_of_thought():
+    assert final_number("12 + 30 = 42 rolls. The answer is 42.") == "42"
+    assert final_number("It costs $1,250 in total") == "1250"
+    assert final_number("x = 2.50") == "2.5"
+    assert final_number("no number") is None
+
+
+def test_needle_fact_recall():
+    assert fact_recall("a pinch of smoked sea salt.", "smoked sea salt") == 1.0
+    assert fact_recall("sea salt", "smoked sea salt") == pytest.approx(2 / 3)
+
+
+def write_jsonl(path, records):
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+
+
+@pytest.fixture
+def longbench_dir(tmp_path):
+    write_jsonl(tmp_path / "hotpotqa.jsonl", [
+        {"input": "Who wrote it?", "context": "Passage 1: Ann wrote it.", "answers": ["Ann"], "_id": "h1"},
+    ])
+    write_jsonl(tmp_path / "trec.jsonl", [
+        {"input": "Question: Where is Paris?\nType:", "context": "Question: Who is he?\nType: Individual",
+         "answers": ["Location City"], "all_classes": ["City", "Location City", "Individual"], "_id": "t1"},
+    ])
+    write_jsonl(tmp_path / "passage_retrieval_en.jsonl", [
+        {"input": "an abstract", "context": "Paragraph 1: a\n\nParagraph 2: b", "answers": ["Paragraph 2"], "_id": "r1"},
+    ])
+    return tmp_path
+
+
+class Words:
+    """A whitespace tokenizer with LongBench's interface needs (tokens, decode, no chat template)."""
+
+    chat_template = None
+
+    def __call__(self, text, add_special_tokens=True):
+        return type("Encoding", (), {"input_ids": text.split(" ")})
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(ids)
+
+
+def test_longbench_prompts_truncation_and_scores(longbench_dir):
+    task = get_task("longbench", data_dir=str(longbench_dir), max_length=6)
+    assert task.datasets == ("hotpotqa", "passage_retrieval_en", "trec")
+    samples = {s.meta["subtask"]: s for s in task.samples(Words(), None, 0)}
+    hotpot = samples["hotpotqa"]
+    assert hotpot.max_new_tokens == 32
+    # The formatted prompt is cut in the middle to 6 words, the first 3 and the last 3, decoded
+    # and joined as LongBench does (real tokenizers carry the space inside the token).
+    assert hotpot.prompt == "Answer the question" + "Who wrote it?\nAnswer:"
+    assert task.score("Ann.", hotpot)["score"] == 1.0
+    # trec: first line only, partial credit rules.
+    assert task.score("Location City\nIndividual", samples["trec"])["score"] == 1.0
+    assert task.score("Paragraph 2", samples["passage_retrieval_en"])["score"] == 1.0
+
+
+def test_longbench_bad_data_names_the_problem(tmp_path):
+    with pytest.raises(D2OError, match="not found"):
+        get_task("longbench", data_dir=str(tmp_path / "missing"))
+    with pytest.raises(D2OError, match="no LongBench files"):
+        get_task("longbench", data_dir=str(tmp_path))
+    (tmp_path / "qasper.jsonl").write_text('{"input": "q", "context": "c", "answers": ["a"]}\n{"input": "q"\n')
+    task = get_task("longbench", data_dir=str(tmp_path))
+    with pytest.raises(D2OError, match=r"qasper.jsonl:2: not valid JSON"):
+        task.samples(Words(), None, 0)
+    (tmp_path / "qasper.jsonl").write_text('{"input": "q", "context": "c"}\n')
+    with pytest.raises(D2OError, match=r"qasper.jsonl:1: missing field answers"):
+        task.samples(Words(), None, 0)
+    with pytest.raises(D2OError, match="Chinese"):
+        get_task("longbench", data_dir=str(tmp_path), datasets=("dureader",))
+    with pytest.raises(D2OError, match="unknown LongBench dataset"):
+        get_task("longbench", data_dir=str(tmp_path), datasets=("nope",))
+
+
+def test_task_options_are_checked():
+    with pytest.raises(D2OError, match="unknown task 'nope'"):
+        get_task("nope")
+    with pytest.raises(D2OError, match="task 'passkey' takes no option lengths"):
+        get_task("passkey", lengths=(1, 2))
+    with pytest.raises(D2OError, match="depths must be between 0 and 1"):
+        get_task("niah", depths=(0.5, 2.0))
+    sample = Sample("x", "p", "42", 8)
+    assert get_task("gsm8k").score("so the answer is 42.", sample) == {"accuracy": 1.0}
