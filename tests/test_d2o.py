@@ -99,7 +99,8 @@ def test_official_weighting_is_the_released_codes_mean():
     values = torch.tensor([[[[2.0, 0.0], [0.0, 2.0], [4.0, 4.0]]]])
     layer = make_layer(keys, values)
     kept_keys, kept_values = layer.gather_kv(torch.tensor([[[0, 1]]]))
-    SimilarityMerge(weighting="official").merge(layer, torch.tensor([[[0, 1]]]), kept_keys, kept_values, torch.ones(1, 2, dtype=torch.bool),
+    SimilarityMerge(weighting="official").merge(layer, torch.tensor([[[0, 1]]]), kept_keys, kept_values,
+                                                torch.ones(1, 2, dtype=torch.bool),
                                                 torch.tensor([[[2]]]), torch.ones(1, 1, dtype=torch.bool))
     similarity = 1 / math.sqrt(2)  # token 2 is equally close to both; the first wins the tie
     torch.testing.assert_close(kept_keys[0, 0, 0], (keys[0, 0, 0] + similarity * keys[0, 0, 2]) / 2)

@@ -61,7 +61,8 @@ def test_unsupported_model_family(monkeypatch, capsys, tmp_path):
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100)).save_pretrained(tmp_path)
     code, _, err = run_cli(monkeypatch, capsys, "generate", "--model", str(tmp_path), "--prompt", "hi")
     assert code == 2
-    assert err.strip() == "error: model family 'gpt2' is not supported: d2o hooks the attention of llama, mistral, qwen2, qwen3"
+    assert err.strip() == ("error: model family 'gpt2' is not supported: "
+                           "d2o hooks the attention of llama, mistral, qwen2, qwen3")
 
 
 def test_missing_model(monkeypatch, capsys, tmp_path):

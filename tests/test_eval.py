@@ -27,7 +27,8 @@ def test_sweep_writes_results_and_resumes(real_model, tmp_path):
     rows = run_eval(EvalConfig(methods=("full", "h2o", "d2o"), out=str(out), **PASSKEY), progress=False)
     first = (out / "samples.jsonl").read_text()
     assert len(lines(out)) == 2 * 3
-    assert {(r["method"], r["budget"], r["n"]) for r in rows} == {("full", "1", 2), ("h2o", "0.5", 2), ("d2o", "0.5", 2)}
+    assert {(r["method"], r["budget"], r["n"]) for r in rows} == {
+        ("full", "1", 2), ("h2o", "0.5", 2), ("d2o", "0.5", 2)}
     with (out / "summary.csv").open() as stream:
         table = list(csv.DictReader(stream))
     assert list(table[0]) == ["task", "method", "budget", "score", "n"]

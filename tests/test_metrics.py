@@ -87,7 +87,8 @@ def longbench_dir(tmp_path):
          "answers": ["Location City"], "all_classes": ["City", "Location City", "Individual"], "_id": "t1"},
     ])
     write_jsonl(tmp_path / "passage_retrieval_en.jsonl", [
-        {"input": "an abstract", "context": "Paragraph 1: a\n\nParagraph 2: b", "answers": ["Paragraph 2"], "_id": "r1"},
+        {"input": "an abstract", "context": "Paragraph 1: a\n\nParagraph 2: b", "answers": ["Paragraph 2"],
+         "_id": "r1"},
     ])
     return tmp_path
 

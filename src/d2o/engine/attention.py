@@ -39,17 +39,18 @@ def _make_attention(backend: str):
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         layer = claim_active_layer(key)
         if attention_mask is not None and attention_mask.dim() != 2:
-            raise D2OError("d2o's attention takes a 2D padding mask (batch, tokens); a prepared 4D mask is not supported")
+            raise D2OError("d2o's attention takes a 2D padding mask (batch, tokens), not a prepared 4D mask")
         n_query, n_keys = query.shape[2], key.shape[2]
-        batch = query.shape[0]
         padding = attention_mask
+        if padding is None:  # nothing padded
+            padding = query.new_ones((query.shape[0], n_keys), dtype=torch.bool)
         if layer is not None:
-            new_valid = padding[:, -n_query:] if padding is not None else query.new_ones((batch, n_query), dtype=torch.bool)
+            new_valid = padding[:, -n_query:]
             layer.admit(new_valid)
             kv_valid = layer.valid
             positions = layer.token_index
         else:  # no d2o cache (plain DynamicCache, or none): slots are the padded token stream
-            kv_valid = padding[:, -n_keys:] if padding is not None else query.new_ones((batch, n_keys), dtype=torch.bool)
+            kv_valid = padding[:, -n_keys:]
             new_valid = kv_valid[:, -n_query:]
             positions = None
         if key.shape[1] != query.shape[1] // module.num_key_value_groups:  # KV heads stored repeated
@@ -160,7 +161,7 @@ def _end_of_forward(lm_head):
             if cache.method.needs_surprisal:
                 input_ids = kwargs.get("input_ids", args[0] if args else None)
                 if input_ids is None:
-                    raise D2OError(f"{cache.method.name} scores tokens by surprisal and needs input_ids, not embeddings")
+                    raise D2OError(f"{cache.method.name} scores tokens by surprisal: give input_ids, not embeddings")
                 cache.observe_tokens(input_ids, output.last_hidden_state, lm_head)
             cache.end_of_forward()
 

@@ -173,6 +173,13 @@ class CompressedLayer(CacheLayerMixin):
             return 0
         return self.keys.nbytes + self.values.nbytes
 
+    @property
+    def state_nbytes(self) -> int:
+        """Bytes of the per-slot bookkeeping: token indices and method state."""
+        if not self.is_initialized:
+            return 0
+        return self.token_index.nbytes + sum(state.nbytes for state in self.slot_state.values())
+
     def gather_kv(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values (B, G, K, D) of the slots (B, G, K): copies, free to modify."""
         keys = self.keys.gather(2, slots[..., None].expand(-1, -1, -1, self.keys.shape[-1]))
@@ -202,6 +209,7 @@ class LayerReport:
     merged: list[int]
     kv_bytes: int
     kv_bytes_full: int
+    state_bytes: int  # token indices and method state kept per slot, beside the keys and values
     tau_history: list[list[float]] = field(default_factory=list)
 
     def as_dict(self) -> dict:
@@ -233,6 +241,10 @@ class CacheReport:
         return sum(layer.kv_bytes_full for layer in self.layers)
 
     @property
+    def state_bytes(self) -> int:
+        return sum(layer.state_bytes for layer in self.layers)
+
+    @property
     def layer_budgets(self) -> list[int | None]:
         """Per-layer budget of the first row (the only row for a single prompt)."""
         return [layer.budget[0] if layer.budget else None for layer in self.layers]
@@ -245,6 +257,7 @@ class CacheReport:
             "kv_tokens_full": self.kv_tokens_full,
             "kv_bytes": self.kv_bytes,
             "kv_bytes_full": self.kv_bytes_full,
+            "state_bytes": self.state_bytes,
             "layer_budgets": self.layer_budgets,
             "layers": [layer.as_dict() for layer in self.layers],
         }
@@ -300,7 +313,6 @@ class CompressedCache(Cache):
         self.n_layers = config.num_hidden_layers
         groups = config.num_attention_heads // config.num_key_value_heads
         self.kv_repeats = groups if self.method.repeats_kv_heads else 1
-        self.max_positions = getattr(config, "max_position_embeddings", None)
         super().__init__(layers=[CompressedLayer(self, i) for i in range(self.n_layers)])
         self.forwards = 0
         self.allocated = False
@@ -395,13 +407,12 @@ class CompressedCache(Cache):
 
     def _compress_layer(self, layer: CompressedLayer, target: torch.Tensor) -> None:
         method = self.method
-        valid = layer.valid
         scores = method.score(layer).float()
         protected = method.protected(layer, target)
         keep, keep_valid = select_kept(scores, protected, layer.token_index, target)
         keys, values = layer.gather_kv(keep)
         if method.merge is not None:
-            evict, evict_valid = evicted_slots(valid, keep, keep_valid, target)
+            evict, evict_valid = evicted_slots(layer.valid, keep, keep_valid, target)
             layer.merged += method.merge.merge(layer, keep, keys, values, keep_valid, evict, evict_valid)
         layer.keep(keep, keep_valid, keys, values)
 
@@ -416,7 +427,8 @@ class CompressedCache(Cache):
             if not layer.is_initialized:
                 continue
             full = layer.real_seen.tolist()
-            heads, dim = layer.keys.shape[1], layer.keys.shape[-1]
+            # What a plain cache would hold: the model's own KV heads, never repeated.
+            heads, dim = self.config.num_key_value_heads, layer.keys.shape[-1]
             bytes_per_token = heads * dim * (layer.keys.element_size() + layer.values.element_size())
             budget = None if layer.budget is None else [None if b == UNLIMITED else b for b in layer.budget.tolist()]
             layers.append(
@@ -427,6 +439,7 @@ class CompressedCache(Cache):
                     full=full,
                     merged=layer.merged.tolist(),
                     kv_bytes=layer.nbytes,
+                    state_bytes=layer.state_nbytes,
                     # What a DynamicCache would hold: every fed token, padding included.
                     kv_bytes_full=layer.seen * len(full) * bytes_per_token,
                     tau_history=[t.tolist() for t in layer.layer_state.get("tau_history", [])],

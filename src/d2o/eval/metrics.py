@@ -123,7 +123,7 @@ def count_score(prediction: str, gold: str) -> float:
 def code_sim_score(prediction: str, gold: str) -> float:
     """Edit similarity of the first line without ` # or // to the gold line, in [0, 1]."""
     lines = prediction.lstrip("\n").split("\n")
-    line = next((l for l in lines if "`" not in l and "#" not in l and "//" not in l), "")
+    line = next((text for text in lines if "`" not in text and "#" not in text and "//" not in text), "")
     if line == gold:
         return 1.0
     if not line or not gold:

@@ -148,7 +148,8 @@ def answer_sample(task, sample: Sample, ids, model, tokenizer, methods, todo, sh
             "budget": str(budget), "prediction": text, "gold": sample.gold, "score": scores[task.metrics[0]],
             "scores": scores, "kv_tokens_kept": report.kv_tokens_kept, "kv_tokens_full": report.kv_tokens_full,
             "kv_bytes": report.kv_bytes, "layer_budgets": report.layer_budgets, "seconds": round(seconds, 3),
-            "prefill_seconds": round(own_prefill, 3), "meta": {k: v for k, v in sample.meta.items() if k != "all_classes"},
+            "prefill_seconds": round(own_prefill, 3),
+            "meta": {k: v for k, v in sample.meta.items() if k != "all_classes"},
         })
     return lines
 

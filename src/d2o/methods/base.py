@@ -105,7 +105,7 @@ class Method:
         """Per-row, per-layer budgets (B, L) summing to ``totals`` (B,) over all layers."""
         n_layers = cache.n_layers
         for index in self.exempt_layers:
-            check(-n_layers <= index < n_layers, "exempt_layers", index, f"is not a layer of this {n_layers}-layer model")
+            check(-n_layers <= index < n_layers, "exempt_layers", index, f"is not a layer of a {n_layers}-layer model")
         exempt = sorted({index % n_layers for index in self.exempt_layers})
         active = [i for i in range(n_layers) if i not in exempt]
         prompt = cache.layers[0].real_seen
@@ -142,10 +142,6 @@ class Method:
         index = layer.token_index
         recent_from = layer.real_seen - self.n_recent(target)
         return (index >= 0) & ((index < self.n_sinks) | (index >= recent_from[:, None, None]))
-
-    @classmethod
-    def describe(cls) -> str:
-        return cls.summary
 
 
 @dataclass

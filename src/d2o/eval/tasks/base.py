@@ -59,7 +59,8 @@ def get_task(name: str, **options) -> Task:
     given = {k: v for k, v in options.items() if v is not None}
     unknown = sorted(set(given) - known)
     if unknown:
-        raise D2OError(f"task {name!r} takes no option {', '.join(unknown)}; its options: {', '.join(sorted(known)) or 'none'}")
+        options = ", ".join(sorted(known)) or "none"
+        raise D2OError(f"task {name!r} takes no option {', '.join(unknown)}; its options: {options}")
     return cls(**given)
 
 
