@@ -226,3 +226,17 @@ def test_official_preset_follows_the_released_code():
     assert lengths[0] == lengths[1] == lengths[5] == 201  # exempt layers keep everything
     assert lengths[2:5] == expected[2:5]
     assert all(layer.keys.shape[1] == model.config.num_attention_heads for layer in cache.layers)  # repeated
+
+
+def test_every_knob_is_reachable_by_name():
+    method = get_method("d2o", **{"allocation": "pyramid", "merge.alpha": 0.25, "merge.on": "value", "split": (1, 1),
+                                  "n_sinks": 2})
+    assert isinstance(method.allocation, Pyramid) and method.merge == SimilarityMerge(alpha=0.25, on="value")
+    assert get_method("d2o", merge=None).merge is None
+    assert get_method("d2o", **{"allocation.r_min": 0.05}).allocation == InverseVariance(r_min=0.05)
+    with pytest.raises(D2OError, match="allocation='zigzag' must be one of"):
+        get_method("d2o", allocation="zigzag")
+    with pytest.raises(D2OError, match="has no option 'merge.beta'"):
+        get_method("d2o", **{"merge.beta": 1})
+    with pytest.raises(D2OError, match="alpha=2"):
+        get_method("d2o", **{"merge.alpha": 2})

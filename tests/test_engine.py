@@ -204,3 +204,21 @@ def test_report_totals_match_the_layers():
     assert report.kv_bytes_full == 4 * 125 * 2 * 16 * 2 * 4
     assert report.layer_budgets == [int(layer.budget) for layer in cache.layers]
     assert all(len(layer.tau_history) == 6 for layer in report.layers)  # prefill + 5 decode evictions
+
+
+def test_sampling_through_generate():
+    model = tiny_model("llama")
+    ids = random_ids(80)
+
+    def sample(cache):
+        torch.manual_seed(7)
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache, do_sample=True,
+                                 top_k=20, temperature=0.8, max_new_tokens=25, min_new_tokens=25, pad_token_id=0)
+        return out[0, 80:].tolist()
+
+    ours = sample(CompressedCache(model, "d2o", 1.0))
+    model.set_attn_implementation("sdpa")
+    assert ours == sample(DynamicCache(config=model.config))
+    compressed = CompressedCache(model, "d2o", 0.3)
+    assert len(sample(compressed)) == 25 and lengths(compressed) == [int(layer.budget) for layer in compressed.layers]

@@ -98,6 +98,14 @@ class InverseVariance(Allocation):
         return math.floor(self.r_min * prompt_tokens)
 
 
+def allocation_named(name: str) -> Allocation:
+    """An allocation strategy by name: uniform, pyramid, expdecay or variance (D2O's)."""
+    strategies = {"uniform": Uniform, "pyramid": Pyramid, "expdecay": ExponentialDecay, "variance": InverseVariance}
+    if name not in strategies:
+        raise D2OError(f"allocation={name!r} must be one of {', '.join(strategies)}")
+    return strategies[name]()
+
+
 def layer_density(layer) -> torch.Tensor:
     """F_l per row (B,): mean over query heads of the min-max normalised variance of column mass."""
     mass = layer.slot_state.get("mass")

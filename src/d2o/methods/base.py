@@ -16,7 +16,7 @@ The engine then keeps, per row and KV head, the protected slots and the best-sco
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 from typing import TYPE_CHECKING, Callable, ClassVar, Protocol
 
 import torch
@@ -24,7 +24,7 @@ import torch
 from d2o.engine.cache import UNLIMITED
 from d2o.engine.stats import AttentionStats, StatsRequest
 from d2o.errors import D2OError
-from d2o.methods.allocation import Allocation, Uniform, conserve
+from d2o.methods.allocation import Allocation, Uniform, allocation_named, conserve
 
 if TYPE_CHECKING:
     from d2o.engine.cache import CompressedCache, CompressedLayer
@@ -205,12 +205,27 @@ def register_variant(name: str, summary: str, build: Callable[..., Method], cls:
 
 
 def get_method(name: str, **options) -> Method:
-    """Build the method registered as ``name`` with ``options`` overriding its defaults."""
+    """Build the method registered as ``name`` with ``options`` overriding its defaults.
+
+    ``allocation`` may be a strategy's name (``"uniform"``); ``component.field`` sets one field of
+    a component (``**{"merge.alpha": 0.3}``, ``--option merge.alpha=0.3`` on the CLI).
+    """
     entry = REGISTRY.get(name)
     if entry is None:
         raise D2OError(f"unknown method {name!r}; choose one of: {', '.join(REGISTRY)}")
+    nested = {key: value for key, value in options.items() if "." in key}
+    direct = {key: value for key, value in options.items() if "." not in key}
+    if isinstance(direct.get("allocation"), str):
+        direct["allocation"] = allocation_named(direct["allocation"])
     try:
-        return entry.build(**options)
+        method = entry.build(**direct)
     except TypeError as error:
         names = ", ".join(f.name for f in fields(entry.cls))
         raise D2OError(f"bad option for method {name!r} ({error}); options: {names}") from None
+    for key, value in nested.items():
+        component, _, attribute = key.partition(".")
+        part = getattr(method, component, None)
+        if not is_dataclass(part) or attribute not in {f.name for f in fields(part)}:
+            raise D2OError(f"{name} has no option {key!r}")
+        setattr(method, component, replace(part, **{attribute: value}))
+    return method
