@@ -84,6 +84,10 @@ def attention_stats(
     chunk = max(1, CHUNK_ELEMENTS // max(1, group * n_keys))
     lowest = torch.finfo(torch.float32).min
     queries = (query.float() * scaling).view(batch, kv_heads, group, n_query, dim)
+    # One buffer for every chunk's scores, turned into probabilities in place: fresh multi-MB
+    # tensors per chunk would cost a page fault per 4 KB each time.
+    buffer = torch.empty(group * chunk * n_keys, dtype=torch.float32, device=key.device)
+    future = torch.ones(chunk, chunk, dtype=torch.bool, device=key.device).triu_(1)  # within a chunk's own block
     for b in range(batch):
         padded_queries = not bool(query_valid[b].all())
         padded_keys = not bool(kv_valid[b].all())
@@ -92,17 +96,18 @@ def attention_stats(
             for start in range(first, n_query, chunk):
                 end = min(n_query, start + chunk)
                 rows, visible = end - start, past + end  # later slots are invisible to every row
-                scores = torch.mm(queries[b, g, :, start:end].reshape(group * rows, dim), keys_t[:, :visible])
+                scores = buffer[: group * rows * visible].view(group * rows, visible)
+                torch.mm(queries[b, g, :, start:end].reshape(group * rows, dim), keys_t[:, :visible], out=scores)
                 scores = scores.view(group, rows, visible)
                 # Causal: only the block of this chunk's own tokens has future columns.
                 own = scores[:, :, past + start : visible]
-                own.masked_fill_(torch.ones(rows, rows, dtype=torch.bool, device=own.device).triu_(1), lowest)
+                own.masked_fill_(future[:rows, :rows], lowest)
                 if padded_keys:
                     scores.masked_fill_(~kv_valid[b, None, None, :visible], lowest)
                 if window_mask is not None:
                     allowed = window_mask(start, end, visible)[b]
                     scores.masked_fill_(~allowed[g if allowed.shape[0] > 1 else 0], lowest)
-                probs = torch.softmax(scores, dim=-1)
+                probs = torch.softmax(scores, dim=-1, out=scores)
                 if padded_queries:
                     probs.mul_(query_valid[b, None, start:end, None])
                 if mass is not None:

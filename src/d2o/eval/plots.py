@@ -62,8 +62,12 @@ def niah_heatmaps(out: Path, lines: list[dict]) -> list[Path]:
     paths = []
     for budget in sorted({key[0] for key in cells if key[1] != "full"}, key=_budget_key):
         methods = list(dict.fromkeys(key[1] for key in cells if key[0] in (budget, FULL_BUDGET)))
-        figure, axes = plt.subplots(1, len(methods), figsize=(2.6 * len(methods), 3), squeeze=False)
-        for axis, method in zip(axes[0], methods):
+        columns = min(5, len(methods))
+        rows = -(-len(methods) // columns)
+        figure, axes = plt.subplots(rows, columns, figsize=(2.6 * columns, 2.8 * rows), squeeze=False)
+        for axis in axes.flat[len(methods):]:
+            axis.axis("off")
+        for axis, method in zip(axes.flat, methods):
             use = FULL_BUDGET if method == "full" else budget
             grid = [[fmean(cells.get((use, method, d, n), [float("nan")])) for n in lengths] for d in depths]
             axis.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
@@ -71,7 +75,8 @@ def niah_heatmaps(out: Path, lines: list[dict]) -> list[Path]:
             axis.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths], fontsize=7)
             axis.set_title(method, fontsize=9)
             axis.set_xlabel("tokens", fontsize=8)
-        axes[0][0].set_ylabel("needle depth")
+        for row in axes:
+            row[0].set_ylabel("needle depth")
         figure.suptitle(f"needle in a haystack, budget {budget}")
         figure.tight_layout()
         path = out / f"niah_heatmap_{budget}.png"

@@ -54,14 +54,15 @@ def task_label(line: dict) -> str:
 def summarize(lines: list[dict], task, config) -> list[dict]:
     """Mean main score per (task, method, budget) over the samples of this configuration."""
     wanted_methods = set(config.methods)
-    groups: dict[tuple, list[float]] = defaultdict(list)
+    groups: dict[tuple, list[dict]] = defaultdict(list)
     for line in lines:
         if line["task"] == task.name and line["method"] in wanted_methods:
-            groups[(task_label(line), line["method"], line["budget"])].append(line["score"])
+            groups[(task_label(line), line["method"], line["budget"])].append(line)
     order = {name: i for i, name in enumerate(config.methods)}
     rows = [
-        {"task": label, "method": method, "budget": budget, "score": round(fmean(scores), 4), "n": len(scores)}
-        for (label, method, budget), scores in groups.items()
+        {"task": label, "method": method, "budget": budget, "score": round(fmean(run["score"] for run in group), 4),
+         "n": len(group), "kv_share": round(fmean(run["kv_tokens_kept"] / run["kv_tokens_full"] for run in group), 3)}
+        for (label, method, budget), group in groups.items()
     ]
     return sorted(rows, key=lambda r: (r["task"], order[r["method"]], _budget_key(r["budget"])))
 
@@ -78,7 +79,8 @@ def _atomic_write(path: Path, text: str) -> None:
 
 def write_summaries(out: Path, rows: list[dict], task, config) -> None:
     buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=["task", "method", "budget", "score", "n"], lineterminator="\n")
+    writer = csv.DictWriter(buffer, fieldnames=["task", "method", "budget", "score", "n"], lineterminator="\n",
+                            extrasaction="ignore")
     writer.writeheader()
     writer.writerows(rows)
     _atomic_write(out / "summary.csv", buffer.getvalue())
@@ -86,7 +88,8 @@ def write_summaries(out: Path, rows: list[dict], task, config) -> None:
 
 
 def markdown_table(rows: list[dict], task, config) -> str:
-    """One table per task label: methods as rows, budgets as columns (the full cache in every column)."""
+    """Per task label: the scores, then the share of the full cache's KV tokens each run held at
+    its end; methods as rows, budgets as columns (the full cache in every column)."""
     budgets = sorted({r["budget"] for r in rows if r["method"] != "full"}, key=_budget_key)
     direction = "higher is better" if task.higher_is_better else "lower is better"
     parts = [f"Model `{config.model}`, seed {config.seed}; score: {task.metrics[0]} ({direction}), "
@@ -94,16 +97,18 @@ def markdown_table(rows: list[dict], task, config) -> str:
     for label in sorted({r["task"] for r in rows}):
         table = {(r["method"], r["budget"]): r for r in rows if r["task"] == label}
         methods = [m for m in config.methods if any(key[0] == m for key in table)]
-        parts.append(f"### {label}\n")
-        parts.append("| method | " + " | ".join(f"budget {b}" for b in budgets) + " | n |")
-        parts.append("|---|" + "---|" * (len(budgets) + 1))
-        for method in methods:
-            cells, counts = [], set()
-            for budget in budgets:
-                row = table.get((method, FULL_BUDGET if method == "full" else budget))
-                cells.append(f"{row['score']:.3f}" if row else "")
-                if row:
-                    counts.add(row["n"])
-            parts.append(f"| {method} | " + " | ".join(cells) + f" | {'/'.join(map(str, sorted(counts)))} |")
-        parts.append("")
+        for title, field, digits in ((label, "score", 3), (f"{label}: KV tokens held at the end / full cache",
+                                                            "kv_share", 2)):
+            parts.append(f"### {title}\n")
+            parts.append("| method | " + " | ".join(f"budget {b}" for b in budgets) + " | n |")
+            parts.append("|---|" + "---|" * (len(budgets) + 1))
+            for method in methods:
+                cells, counts = [], set()
+                for budget in budgets:
+                    row = table.get((method, FULL_BUDGET if method == "full" else budget))
+                    cells.append(f"{row[field]:.{digits}f}" if row else "")
+                    if row:
+                        counts.add(row["n"])
+                parts.append(f"| {method} | " + " | ".join(cells) + f" | {'/'.join(map(str, sorted(counts)))} |")
+            parts.append("")
     return "\n".join(parts) + "\n"
