@@ -81,7 +81,7 @@ def attention_stats(
     mass = key.new_zeros((batch, kv_heads, group, n_keys), dtype=torch.float32) if request.column_mass else None
     window = key.new_zeros((batch, kv_heads, group, window_rows, n_keys), dtype=torch.float32) if window_rows else None
     first = 0 if request.column_mass else window_start  # only the window's rows are needed without mass
-    chunk = max(1, CHUNK_ELEMENTS // max(1, group * n_keys))
+    chunk = min(n_query - first, max(1, CHUNK_ELEMENTS // max(1, group * n_keys)))
     lowest = torch.finfo(torch.float32).min
     queries = (query.float() * scaling).view(batch, kv_heads, group, n_query, dim)
     # One buffer for every chunk's scores, turned into probabilities in place: fresh multi-MB
