@@ -63,6 +63,7 @@ def test_retrieval_count_and_code_similarity():
 
 def test_final_number_of_a_chain_of_thought():
     assert final_number("12 + 30 = 42 rolls. The answer is 42.") == "42"
+    assert final_number("The answer is 16 / 2 = 8. The answer is 8.") == "8"
     assert final_number("It costs $1,250 in total") == "1250"
     assert final_number("x = 2.50") == "2.5"
     assert final_number("no number") is None

@@ -133,6 +133,7 @@ def evaluate(
     datasets: Optional[str] = typer.Option(None, help="longbench: comma-separated datasets."),
     max_length: Optional[int] = typer.Option(None, help="longbench: prompt tokens after truncation."),
     shots: Optional[int] = typer.Option(None, help="gsm8k: worked examples."),
+    chat: Optional[bool] = typer.Option(None, "--chat/--no-chat", help="squad/coqa: use the chat template."),
     option: list[str] = typer.Option([], "--option", help="A method option METHOD.NAME=VALUE (repeatable)."),
 ):
     """Evaluate methods x budgets on a task; writes samples.jsonl, summary.csv/.md and plots to OUT."""
@@ -146,7 +147,7 @@ def evaluate(
         haystack=str(haystack) if haystack else None, needle=needle, question=question,
         answer_prefix=answer_prefix, fact=fact, text=str(text) if text else None, chunk=chunk,
         data_dir=str(data_dir) if data_dir else None, datasets=numbers(datasets, str), max_length=max_length,
-        shots=shots,
+        shots=shots, chat=chat,
     )
     method_options: dict = {}
     for pair in option:

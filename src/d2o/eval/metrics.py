@@ -132,11 +132,11 @@ def code_sim_score(prediction: str, gold: str) -> float:
 
 
 def final_number(text: str) -> str | None:
-    """The answer of a chain of thought: the number after "The answer is", else the last number."""
+    """The answer of a chain of thought: the number after the last "the answer is", else the last number."""
     cleaned = text.replace(",", "")
-    stated = re.search(r"answer is\s*\$?\s*(-?\d+(?:\.\d+)?)", cleaned, flags=re.IGNORECASE)
+    stated = re.findall(r"answer is\s*\$?\s*(-?\d+(?:\.\d+)?)", cleaned, flags=re.IGNORECASE)
     numbers = re.findall(r"-?\d+(?:\.\d+)?", cleaned)
-    value = stated.group(1) if stated else (numbers[-1] if numbers else None)
+    value = stated[-1] if stated else (numbers[-1] if numbers else None)
     if value is None:
         return None
     number = float(value)

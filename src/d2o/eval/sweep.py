@@ -171,12 +171,14 @@ def greedy_answer(model, tokenizer, cache, logits: torch.Tensor, sample: Sample)
             if token in stops:
                 break
             tokens.append(token)
-            if sample.stop and any(s in tokenizer.decode(tokens, skip_special_tokens=True) for s in sample.stop):
+            # Stop strings end an answer once it has begun: a leading newline is not an answer.
+            begun = tokenizer.decode(tokens, skip_special_tokens=True).lstrip()
+            if any(stop in begun for stop in sample.stop):
                 break
             if step + 1 < sample.max_new_tokens:
                 logits = model(input_ids=torch.tensor([[token]], device=device), cache=cache,
                                logits_to_keep=1).logits[0, -1]
-    text = tokenizer.decode(tokens, skip_special_tokens=True)
+    text = tokenizer.decode(tokens, skip_special_tokens=True).lstrip()
     for stop in sample.stop:
         text = text.split(stop)[0]
     return text.strip()

@@ -30,7 +30,6 @@ class Task:
     summary: ClassVar[str] = ""
     metrics: ClassVar[tuple[str, ...]] = ("score",)
     higher_is_better: ClassVar[bool] = True
-    chat: ClassVar[bool] = False  # wrap prompts in the model's chat template
 
     def samples(self, tokenizer, limit: int | None, seed: int) -> list[Sample]:
         raise NotImplementedError
@@ -62,6 +61,15 @@ def get_task(name: str, **options) -> Task:
         options = ", ".join(sorted(known)) or "none"
         raise D2OError(f"task {name!r} takes no option {', '.join(unknown)}; its options: {options}")
     return cls(**given)
+
+
+def chat_prompt(tokenizer, prompt: str) -> tuple[str, bool]:
+    """``prompt`` as a user turn of the model's chat template, if it has one; returns the text
+    and whether the tokenizer should still add its special tokens (not when templated)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return prompt, True
+    turn = [{"role": "user", "content": prompt}]
+    return tokenizer.apply_chat_template(turn, tokenize=False, add_generation_prompt=True), False
 
 
 def take(items: list, limit: int | None, seed: int) -> list:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from d2o.eval.downloads import BIGBENCH, archive_member
 from d2o.eval.metrics import best_over, exact_match, qa_f1
-from d2o.eval.tasks.base import Sample, Task, pack_passages, register_task, take
+from d2o.eval.tasks.base import Sample, Task, chat_prompt, pack_passages, register_task, take
 
 INSTRUCTION = "Read the stories below, then answer the questions about them briefly.\n\n"
 
@@ -25,6 +25,7 @@ class Coqa(Task):
     metrics = ("f1", "exact_match")
 
     length: int = 1500
+    chat: bool = True  # through the model's chat template when it has one (the default model answers only so)
     history: int = 3  # earlier turns shown
 
     def samples(self, tokenizer, limit, seed):
@@ -44,8 +45,10 @@ class Coqa(Task):
             dialogue = "".join(f"Q: {questions[t]['input_text']}\nA: {answers[t]['input_text']}\n"
                                for t in range(max(0, turn - self.history), turn))
             prompt = f"{INSTRUCTION}{context}\n\n{dialogue}Q: {questions[turn]['input_text']}\nA:"
+            prompt, special_tokens = chat_prompt(tokenizer, prompt) if self.chat else (prompt, True)
             samples.append(Sample(f"coqa-{story['id']}-{turn}-{self.length}", prompt, sorted(golds),
-                                  max_new_tokens=24, stop=("\n",), meta={"turn": turn, "position": position}))
+                                  max_new_tokens=24, stop=("\n",), special_tokens=special_tokens,
+                                  meta={"turn": turn, "position": position}))
         return samples
 
     def score(self, prediction, sample):

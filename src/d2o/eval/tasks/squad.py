@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from d2o.eval.downloads import BIGBENCH, archive_member
 from d2o.eval.metrics import best_over, exact_match, qa_f1
-from d2o.eval.tasks.base import Sample, Task, pack_passages, register_task, take
+from d2o.eval.tasks.base import Sample, Task, chat_prompt, pack_passages, register_task, take
 
 INSTRUCTION = "Answer the question with a short phrase copied from the passages below.\n\n"
 
@@ -38,6 +38,7 @@ class Squad(Task):
     metrics = ("f1", "exact_match")
 
     length: int = 1500
+    chat: bool = True  # through the model's chat template when it has one (the default model answers only so)
 
     def samples(self, tokenizer, limit, seed):
         records = squad_records()
@@ -48,8 +49,10 @@ class Squad(Task):
             others = [p for t, p in rng.sample(passages, min(len(passages), 60)) if t != record["title"]]
             context, position = pack_passages(tokenizer, record["context"], others, self.length - 60, rng)
             prompt = f"{INSTRUCTION}{context}\n\nQuestion: {record['question']}\nAnswer:"
+            prompt, special_tokens = chat_prompt(tokenizer, prompt) if self.chat else (prompt, True)
             samples.append(Sample(f"squad-{record['id']}-{self.length}", prompt, record["answers"],
-                                  max_new_tokens=24, stop=("\n",), meta={"position": position}))
+                                  max_new_tokens=24, stop=("\n",), special_tokens=special_tokens,
+                                  meta={"position": position}))
         return samples
 
     def score(self, prediction, sample):
