@@ -94,3 +94,20 @@ def test_budget_parsing():
     assert Budget.parse(0.5).total(30, 1001) == round(30 * 0.5 * 1001)
     with pytest.raises(D2OError, match="whole number"):
         Budget.parse("1.5t")
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral"])
+def test_local_model_folders_load_and_generate(real_model, tmp_path, arch):
+    from conftest import tiny_model
+
+    from d2o.generation import generate
+    from d2o.models import load_model
+
+    _, tokenizer = real_model
+    tiny_model(arch, vocab_size=len(tokenizer)).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    model, loaded = load_model(str(tmp_path))
+    assert model.config.model_type == arch and model.config._attn_implementation == "d2o_sdpa"
+    result = generate(model, loaded, LONG_ENOUGH, "d2o", 0.5, max_new_tokens=4)
+    assert sum(result.report.layer_budgets) == round(4 * 0.5 * result.prompt_tokens[0])
+    assert result.report.kv_tokens_kept == sum(result.report.layer_budgets)
