@@ -55,7 +55,7 @@ def _make_attention(backend: str):
             positions = None
         if key.shape[1] != query.shape[1] // module.num_key_value_groups:  # KV heads stored repeated
             module = _Grouping(module, query.shape[1] // key.shape[1])
-        window_mask = _sliding_window(kwargs.get("sliding_window"), kv_valid, positions, n_query, module)
+        window_mask = _sliding_window(kwargs.get("sliding_window"), kv_valid, positions, n_query)
         scaling = module.scaling if scaling is None else scaling
 
         mask = None
@@ -95,7 +95,7 @@ class _Grouping:
         self.scaling = module.scaling
 
 
-def _sliding_window(window, kv_valid, positions, n_query, module):
+def _sliding_window(window, kv_valid, positions, n_query):
     """A callable adding a sliding window to `allowed_keys`, or None when the window changes nothing."""
     if window is None:
         return None
