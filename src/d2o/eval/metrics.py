@@ -47,6 +47,11 @@ def best_over(metric, prediction: str, golds: list[str]) -> float:
     return max((metric(prediction, gold) for gold in golds), default=0.0)
 
 
+def qa_scores(prediction: str, golds: list[str]) -> dict[str, float]:
+    """SQuAD's F1 and exact match, each the best over the gold answers."""
+    return {"f1": best_over(qa_f1, prediction, golds), "exact_match": best_over(exact_match, prediction, golds)}
+
+
 # -- ROUGE-L ------------------------------------------------------------------------------------
 def _lcs_words(a: list[str], b: list[str]) -> list[str]:
     """One longest common subsequence of two word lists (dynamic programming, iterative backtrace)."""

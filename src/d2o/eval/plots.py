@@ -46,11 +46,7 @@ def score_vs_budget(out: Path, rows: list[dict], task) -> Path | None:
         axis.set_title(label)
         axis.grid(alpha=0.3)
     axes[0][-1].legend(fontsize=8, loc="best")
-    figure.tight_layout()
-    path = out / "score_vs_budget.png"
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return path
+    return _save(figure, out / "score_vs_budget.png")
 
 
 def niah_heatmaps(out: Path, lines: list[dict]) -> list[Path]:
@@ -78,11 +74,7 @@ def niah_heatmaps(out: Path, lines: list[dict]) -> list[Path]:
         for row in axes:
             row[0].set_ylabel("needle depth")
         figure.suptitle(f"needle in a haystack, budget {budget}")
-        figure.tight_layout()
-        path = out / f"niah_heatmap_{budget}.png"
-        figure.savefig(path, dpi=120)
-        plt.close(figure)
-        paths.append(path)
+        paths.append(_save(figure, out / f"niah_heatmap_{budget}.png"))
     return paths
 
 
@@ -105,11 +97,7 @@ def layer_budgets(out: Path, lines: list[dict]) -> list[Path]:
     axis.set_title("D2O layer budgets (inverse-variance allocation)")
     axis.grid(alpha=0.3)
     axis.legend(fontsize=8)
-    figure.tight_layout()
-    path = out / "d2o_layer_budgets.png"
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return [path]
+    return [_save(figure, out / "d2o_layer_budgets.png")]
 
 
 def perplexity_curves(out: Path, lines: list[dict]) -> list[Path]:
@@ -129,9 +117,12 @@ def perplexity_curves(out: Path, lines: list[dict]) -> list[Path]:
         axis.set_title(f"perplexity along the text, budget {budget}")
         axis.grid(alpha=0.3)
         axis.legend(fontsize=8)
-        figure.tight_layout()
-        path = out / f"perplexity_curve_{budget}.png"
-        figure.savefig(path, dpi=120)
-        plt.close(figure)
-        paths.append(path)
+        paths.append(_save(figure, out / f"perplexity_curve_{budget}.png"))
     return paths
+
+
+def _save(figure, path: Path) -> Path:
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path

@@ -90,7 +90,7 @@ def write_summaries(out: Path, rows: list[dict], task, config) -> None:
 def markdown_table(rows: list[dict], task, config) -> str:
     """Per task label: the scores, then the share of the full cache's KV tokens each run held at
     its end; methods as rows, budgets as columns (the full cache in every column)."""
-    budgets = sorted({r["budget"] for r in rows if r["method"] != "full"}, key=_budget_key)
+    budgets = sorted({r["budget"] for r in rows if r["method"] != "full"}, key=_budget_key) or [FULL_BUDGET]
     direction = "higher is better" if task.higher_is_better else "lower is better"
     parts = [f"Model `{config.model}`, seed {config.seed}; score: {task.metrics[0]} ({direction}), "
              f"mean over n samples.\n"]

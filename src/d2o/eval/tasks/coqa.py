@@ -7,7 +7,7 @@ import random
 from dataclasses import dataclass
 
 from d2o.eval.downloads import BIGBENCH, archive_member
-from d2o.eval.metrics import best_over, exact_match, qa_f1
+from d2o.eval.metrics import qa_scores
 from d2o.eval.tasks.base import Sample, Task, chat_prompt, pack_passages, register_task, take
 
 INSTRUCTION = "Read the stories below, then answer the questions about them briefly.\n\n"
@@ -52,5 +52,4 @@ class Coqa(Task):
         return samples
 
     def score(self, prediction, sample):
-        return {"f1": best_over(qa_f1, prediction, sample.gold),
-                "exact_match": best_over(exact_match, prediction, sample.gold)}
+        return qa_scores(prediction, sample.gold)

@@ -7,7 +7,7 @@ import random
 from dataclasses import dataclass
 
 from d2o.eval.downloads import BIGBENCH, archive_member
-from d2o.eval.metrics import best_over, exact_match, qa_f1
+from d2o.eval.metrics import qa_scores
 from d2o.eval.tasks.base import Sample, Task, chat_prompt, pack_passages, register_task, take
 
 INSTRUCTION = "Answer the question with a short phrase copied from the passages below.\n\n"
@@ -56,5 +56,4 @@ class Squad(Task):
         return samples
 
     def score(self, prediction, sample):
-        return {"f1": best_over(qa_f1, prediction, sample.gold),
-                "exact_match": best_over(exact_match, prediction, sample.gold)}
+        return qa_scores(prediction, sample.gold)
