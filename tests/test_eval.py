@@ -98,3 +98,27 @@ def test_perplexity_with_full_cache_equals_one_forward(real_model, tmp_path):
     streaming = next(line for line in lines(tmp_path) if line["method"] == "streamingllm")
     assert streaming["kv_tokens_kept"] == 30 * 64  # 0.25 of 256 tokens per layer
     assert (tmp_path / "perplexity_curve_0.25.png").exists()
+
+
+def test_the_eval_command(real_model, tmp_path, monkeypatch, capsys):
+    import sys
+
+    from d2o.cli import main
+
+    def run(*args):
+        monkeypatch.setattr(sys, "argv", ["d2o", "eval", *args])
+        try:
+            main()
+        except SystemExit as exit_info:
+            return exit_info.code
+        return 0
+
+    out = tmp_path / "cli"
+    assert run("--task", "passkey", "--length", "300", "--limit", "1", "--methods", "full,h2o", "--budgets", "0.5",
+               "--option", "h2o.split=3:1", "--out", str(out)) == 0
+    assert "| h2o | " in capsys.readouterr().out
+    assert json.loads((out / "config.json").read_text())["identity"]["method_options"] == {"h2o": {"split": [3, 1]}}
+    assert run("--task", "passkey", "--lengths", "300,400", "--out", str(tmp_path / "bad")) == 2
+    assert "task 'passkey' takes no option lengths" in capsys.readouterr().err
+    assert run("--task", "longbench", "--data-dir", str(tmp_path / "missing"), "--out", str(tmp_path / "bad")) == 2
+    assert "LongBench data folder" in capsys.readouterr().err
