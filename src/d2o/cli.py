@@ -200,6 +200,25 @@ def bench_prefill(
         print(row)
 
 
+@bench_app.command("decode")
+def bench_decode(
+    model: str = typer.Option("smollm2"),
+    lengths: str = typer.Option("1024,4096", help="Comma-separated prompt lengths in tokens."),
+    method: str = typer.Option("d2o"),
+    budget: float = typer.Option(0.2),
+    steps: int = typer.Option(32, help="Decoded tokens timed per run."),
+    repeats: int = typer.Option(1, help="Alternating repeats per length (median reported)."),
+    as_json: bool = typer.Option(False, "--json"),
+):
+    """Milliseconds per decoded token of METHOD against the full cache, and the KV bytes each holds."""
+    from d2o.bench.decode import bench_decode as run
+    from d2o.models import load_model
+
+    net, tokenizer = load_model(model)
+    rows = run(net, tokenizer, [int(n) for n in lengths.split(",") if n.strip()], method, budget, steps, repeats)
+    print(json.dumps(rows, indent=1) if as_json else "\n".join(map(str, rows)))
+
+
 def main() -> None:
     """Entry point: a D2OError becomes one line on stderr and exit code 2."""
     from transformers.utils import logging as hf_logging

@@ -182,20 +182,31 @@ class CompressedLayer(CacheLayerMixin):
 
     def gather_kv(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values (B, G, K, D) of the slots (B, G, K): copies, free to modify."""
-        keys = self.keys.gather(2, slots[..., None].expand(-1, -1, -1, self.keys.shape[-1]))
-        values = self.values.gather(2, slots[..., None].expand(-1, -1, -1, self.values.shape[-1]))
-        return keys, values
+        return take_slots(self.keys, slots), take_slots(self.values, slots)
 
     def keep(self, keep: torch.Tensor, keep_valid: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Shrink to the slots ``keep`` (B, G, K), whose new contents are ``keys``/``values``
         (``gather_kv(keep)``, possibly merged into); ``keep_valid`` (B, K) marks the real ones."""
-        empty = ~keep_valid[:, None, :]
-        self.keys = keys.masked_fill_(empty[..., None], 0)
-        self.values = values.masked_fill_(empty[..., None], 0)
-        self.token_index = self.token_index.gather(2, keep).masked_fill(empty, -1)
-        for name, state in self.slot_state.items():
-            index = keep.view(*keep.shape, *([1] * (state.dim() - 3))).expand(*keep.shape, *state.shape[3:])
-            self.slot_state[name] = state.gather(2, index)
+        self.token_index = self.token_index.gather(2, keep)
+        if not bool(keep_valid.all()):  # rows of a batch with smaller budgets: their tail is empty
+            empty = ~keep_valid[:, None, :]
+            keys.masked_fill_(empty[..., None], 0)
+            values.masked_fill_(empty[..., None], 0)
+            self.token_index.masked_fill_(empty, -1)
+        self.keys, self.values = keys, values
+        self.slot_state = {name: take_slots(state, keep) for name, state in self.slot_state.items()}
+
+
+def take_slots(tensor: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (B, G, N, ...) at ``slots`` (B, G, K) per row and head: a copy (B, G, K, ...).
+
+    One ``index_select`` over flattened (row, head, slot) rows copies each slot's trailing
+    values as a block; ``gather`` would need an index as large as the result.
+    """
+    batch, heads, n_slots = tensor.shape[:3]
+    offsets = torch.arange(batch * heads, device=slots.device).view(batch, heads, 1) * n_slots
+    rows = tensor.reshape(batch * heads * n_slots, -1).index_select(0, (slots + offsets).flatten())
+    return rows.view(*slots.shape, *tensor.shape[3:])
 
 
 @dataclass
