@@ -139,14 +139,11 @@ def evaluate(
     """Evaluate methods x budgets on a task; writes samples.jsonl, summary.csv/.md and plots to OUT."""
     from d2o.eval.sweep import EvalConfig, run_eval
 
-    def numbers(value, kind):
-        return None if value is None else tuple(kind(v) for v in value.split(",") if v.strip())
-
     task_options = dict(
-        length=length, lengths=numbers(lengths, int), depths=numbers(depths, float),
+        length=length, lengths=split_list(lengths, int), depths=split_list(depths, float),
         haystack=str(haystack) if haystack else None, needle=needle, question=question,
         answer_prefix=answer_prefix, fact=fact, text=str(text) if text else None, chunk=chunk,
-        data_dir=str(data_dir) if data_dir else None, datasets=numbers(datasets, str), max_length=max_length,
+        data_dir=str(data_dir) if data_dir else None, datasets=split_list(datasets), max_length=max_length,
         shots=shots, chat=chat,
     )
     method_options: dict = {}
@@ -156,8 +153,8 @@ def evaluate(
             raise D2OError(f"--option {pair!r}: expected METHOD.NAME=VALUE")
         method_options.setdefault(target, {}).update(parse_options([rest]))
     config = EvalConfig(
-        task=task, model=model, methods=tuple(m.strip() for m in methods.split(",") if m.strip()),
-        budgets=tuple(b.strip() for b in budgets.split(",") if b.strip()), limit=limit, seed=seed, out=str(out),
+        task=task, model=model, methods=split_list(methods), budgets=split_list(budgets), limit=limit, seed=seed,
+        out=str(out),
         shared_prefill=not separate_prefill, dtype=dtype, attention=attention,
         task_options={k: v for k, v in task_options.items() if v is not None}, method_options=method_options,
     )
@@ -190,14 +187,8 @@ def bench_prefill(
     from d2o.bench.prefill import bench_prefill as run
     from d2o.models import load_model
 
-    sizes = [int(n) for n in lengths.split(",") if n.strip()]
     net, tokenizer = load_model(model)
-    rows = run(net, tokenizer, sizes, method, budget, repeats, eager)
-    if as_json:
-        print(json.dumps(rows, indent=1))
-        return
-    for row in rows:
-        print(row)
+    print_rows(run(net, tokenizer, split_list(lengths, int), method, budget, repeats, eager), as_json)
 
 
 @bench_app.command("decode")
@@ -215,7 +206,15 @@ def bench_decode(
     from d2o.models import load_model
 
     net, tokenizer = load_model(model)
-    rows = run(net, tokenizer, [int(n) for n in lengths.split(",") if n.strip()], method, budget, steps, repeats)
+    print_rows(run(net, tokenizer, split_list(lengths, int), method, budget, steps, repeats), as_json)
+
+
+def split_list(text: str | None, kind=str) -> tuple | None:
+    """``"500,1000"`` -> (500, 1000); None stays None."""
+    return None if text is None else tuple(kind(v.strip()) for v in text.split(",") if v.strip())
+
+
+def print_rows(rows: list[dict], as_json: bool) -> None:
     print(json.dumps(rows, indent=1) if as_json else "\n".join(map(str, rows)))
 
 
