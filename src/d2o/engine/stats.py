@@ -83,7 +83,8 @@ def attention_stats(
     first = 0 if request.column_mass else window_start  # only the window's rows are needed without mass
     chunk = min(n_query - first, max(1, CHUNK_ELEMENTS // max(1, group * n_keys)))
     lowest = torch.finfo(torch.float32).min
-    queries = (query.float() * scaling).view(batch, kv_heads, group, n_query, dim)
+    # Only the rows from `first` on are needed (all of them for column mass, the window's otherwise).
+    queries = (query[:, :, first:].float() * scaling).view(batch, kv_heads, group, n_query - first, dim)
     # One buffer for every chunk's scores, turned into probabilities in place: fresh multi-MB
     # tensors per chunk would cost a page fault per 4 KB each time.
     buffer = torch.empty(group * chunk * n_keys, dtype=torch.float32, device=key.device)
@@ -97,7 +98,8 @@ def attention_stats(
                 end = min(n_query, start + chunk)
                 rows, visible = end - start, past + end  # later slots are invisible to every row
                 scores = buffer[: group * rows * visible].view(group * rows, visible)
-                torch.mm(queries[b, g, :, start:end].reshape(group * rows, dim), keys_t[:, :visible], out=scores)
+                rows_of_queries = queries[b, g, :, start - first : end - first].reshape(group * rows, dim)
+                torch.mm(rows_of_queries, keys_t[:, :visible], out=scores)
                 scores = scores.view(group, rows, visible)
                 # Causal: only the block of this chunk's own tokens has future columns.
                 own = scores[:, :, past + start : visible]
