@@ -38,6 +38,11 @@ def tiny_model(arch: str = "llama", dtype=torch.float32, attention: str = "sdpa"
     return model
 
 
+def make_cache(model, method, budget, **options):
+    """A compressed cache for ``method`` (a name, with options, or a method object) at ``budget``."""
+    return d2o.CompressedCache(model, d2o.get_method(method, **options) if isinstance(method, str) else method, budget)
+
+
 def random_ids(n: int, seed: int = 1, batch: int = 1) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(3, SHAPE["vocab_size"], (batch, n), generator=generator)

@@ -7,12 +7,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from d2o import CompressedCache, D2OError, get_method
-from d2o.engine.cache import CompressedLayer
+from d2o import D2OError, get_method
+from d2o.engine.storage import CompressedLayer
 from d2o.methods.allocation import InverseVariance, Pyramid, conserve, layer_density
 from d2o.methods.d2o import SimilarityMerge
+from d2o.methods.d2o.merging import MergeState
 
-from conftest import random_ids, tiny_model
+from conftest import make_cache, random_ids, tiny_model
 
 
 def make_layer(keys, values):
@@ -22,6 +23,15 @@ def make_layer(keys, values):
     batch, heads, n, _ = keys.shape
     layer.token_index = torch.arange(n).expand(batch, heads, n).clone()
     return layer
+
+
+def merged_layer(merge, keys, values, keep, evict, tau=None):
+    """A layer holding ``keys``/``values`` that keeps the slots ``keep`` and merges ``evict`` into them."""
+    layer = make_layer(keys, values)
+    layer.state = MergeState(tau=tau)
+    evicted = layer.evicted(evict, torch.ones(evict.shape[0], evict.shape[2], dtype=torch.bool))
+    layer.keep(keep, torch.ones(keep.shape[0], keep.shape[2], dtype=torch.bool))
+    return layer, merge.merge(layer, evicted)
 
 
 def reference_merge(keys, values, keep, evict, tau_previous=None, alpha=0.5):
@@ -67,16 +77,11 @@ def test_similarity_merge_equals_the_papers_rule_and_its_ema_threshold():
     merge = SimilarityMerge()
     tau = None
     for _ in range(2):  # the second eviction uses the EMA of the first threshold
-        layer = make_layer(keys, values)
-        if tau is not None:
-            layer.layer_state["tau"] = tau.float()
-        kept_keys, kept_values = layer.gather_kv(keep)
-        count = merge.merge(layer, keep, kept_keys, kept_values, torch.ones(batch, 5, dtype=torch.bool), evict,
-                            torch.ones(batch, n - 5, dtype=torch.bool))
+        layer, count = merged_layer(merge, keys, values, keep, evict, None if tau is None else tau.float())
         expected_keys, expected_values, expected_tau = reference_merge(keys, values, keep, evict, tau)
-        torch.testing.assert_close(kept_keys.double(), expected_keys, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(kept_values.double(), expected_values, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(layer.layer_state["tau"].double(), expected_tau, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(layer.keys.double(), expected_keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(layer.values.double(), expected_values, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(layer.state.tau.double(), expected_tau, atol=1e-6, rtol=1e-6)
         assert 0 < int(count.sum()) < batch * heads * (n - 5)  # some merged, some dropped
         tau = expected_tau
 
@@ -85,23 +90,18 @@ def test_merged_keys_stay_in_the_convex_hull():
     """Merging identical vectors leaves them unchanged (weights sum to one)."""
     keys = torch.ones(1, 1, 6, 4)
     values = torch.full((1, 1, 6, 4), 3.0)
-    layer = make_layer(keys, values)
     keep, evict = torch.tensor([[[0, 1]]]), torch.tensor([[[2, 3, 4, 5]]])
-    kept_keys, kept_values = layer.gather_kv(keep)
-    SimilarityMerge().merge(layer, keep, kept_keys, kept_values, torch.ones(1, 2, dtype=torch.bool), evict,
-                            torch.ones(1, 4, dtype=torch.bool))
-    torch.testing.assert_close(kept_keys, torch.ones(1, 1, 2, 4))
-    torch.testing.assert_close(kept_values, torch.full((1, 1, 2, 4), 3.0))
+    layer, _ = merged_layer(SimilarityMerge(), keys, values, keep, evict)
+    torch.testing.assert_close(layer.keys, torch.ones(1, 1, 2, 4))
+    torch.testing.assert_close(layer.values, torch.full((1, 1, 2, 4), 3.0))
 
 
 def test_official_weighting_is_the_released_codes_mean():
     keys = torch.tensor([[[[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]]])
     values = torch.tensor([[[[2.0, 0.0], [0.0, 2.0], [4.0, 4.0]]]])
-    layer = make_layer(keys, values)
-    kept_keys, kept_values = layer.gather_kv(torch.tensor([[[0, 1]]]))
-    SimilarityMerge(weighting="official").merge(layer, torch.tensor([[[0, 1]]]), kept_keys, kept_values,
-                                                torch.ones(1, 2, dtype=torch.bool),
-                                                torch.tensor([[[2]]]), torch.ones(1, 1, dtype=torch.bool))
+    layer, _ = merged_layer(SimilarityMerge(weighting="official"), keys, values, torch.tensor([[[0, 1]]]),
+                            torch.tensor([[[2]]]))
+    kept_keys, kept_values = layer.keys, layer.values
     similarity = 1 / math.sqrt(2)  # token 2 is equally close to both; the first wins the tie
     torch.testing.assert_close(kept_keys[0, 0, 0], (keys[0, 0, 0] + similarity * keys[0, 0, 2]) / 2)
     torch.testing.assert_close(kept_values[0, 0, 0], (values[0, 0, 0] + similarity * values[0, 0, 2]) / 2)
@@ -109,12 +109,12 @@ def test_official_weighting_is_the_released_codes_mean():
 
 
 def run_tau(model, method, ids):
-    cache = CompressedCache(model, method, 0.2)
+    cache = make_cache(model, method, 0.2)
     with torch.inference_mode():
         logits = model(input_ids=ids, cache=cache).logits
         for _ in range(5):
             logits = model(input_ids=logits[:, -1:].argmax(-1), cache=cache).logits
-    return [layer.layer_state["tau_history"] for layer in cache.layers]
+    return [layer.state.tau_history for layer in cache.layers]
 
 
 def test_tau_is_reset_for_every_sequence():
@@ -125,14 +125,14 @@ def test_tau_is_reset_for_every_sequence():
     run_tau(model, method, first)
     after_another = run_tau(model, method, second)
     for a, b in zip(alone, after_another):
-        assert [t.tolist() for t in a] == [t.tolist() for t in b]
+        assert a == b
     # A reset cache starts again too.
-    cache = CompressedCache(model, method, 0.2)
+    cache = make_cache(model, method, 0.2)
     with torch.inference_mode():
         model(input_ids=first, cache=cache)
         cache.reset()
         model(input_ids=second, cache=cache)
-    assert [layer.layer_state["tau_history"][0].tolist() for layer in cache.layers] == [h[0].tolist() for h in alone]
+    assert [layer.state.tau_history[0][0] for layer in cache.layers] == [h[0][0] for h in alone]
 
 
 def test_density_statistic_matches_its_definition():
@@ -148,11 +148,11 @@ def test_density_statistic_matches_its_definition():
 
 def test_inverse_variance_budgets_favour_dense_layers_and_conserve_the_total():
     model = tiny_model("llama", num_hidden_layers=6)
-    cache = CompressedCache(model, "d2o", 0.3)
+    cache = make_cache(model, "d2o", 0.3)
     with torch.inference_mode():
         model(input_ids=random_ids(200), cache=cache)
     # Recompute F from an uncompressed copy of the statistics.
-    reference = CompressedCache(model, "d2o", 1.0)
+    reference = make_cache(model, "d2o", 1.0)
     with torch.inference_mode():
         model(input_ids=random_ids(200), cache=reference)
     density = torch.tensor([float(layer_density(layer)[0]) for layer in reference.layers])
@@ -202,7 +202,7 @@ def test_pyramid_budgets_fall_with_depth_and_keep_the_mean():
 def test_bad_method_options_name_the_parameter(build, parameter):
     model = tiny_model("llama")
     with pytest.raises(D2OError, match=parameter):
-        cache = CompressedCache(model, build(), 0.5)
+        cache = make_cache(model, build(), 0.5)
         with torch.inference_mode():
             model(input_ids=random_ids(50), cache=cache)
 
@@ -210,8 +210,8 @@ def test_bad_method_options_name_the_parameter(build, parameter):
 def test_official_preset_follows_the_released_code():
     model = tiny_model("llama", num_hidden_layers=6)
     ids = random_ids(200)
-    cache = CompressedCache(model, "d2o", 0.2, parity="official")
-    reference = CompressedCache(model, "full", 1.0)
+    cache = make_cache(model, "d2o", 0.2, parity="official")
+    reference = make_cache(model, "full", 1.0)
     with torch.inference_mode():
         first = model(input_ids=ids, cache=cache).logits
         full = model(input_ids=ids, cache=reference).logits

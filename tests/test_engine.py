@@ -6,10 +6,11 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from d2o import Budget, CompressedCache
-from d2o.engine.cache import UNLIMITED
+import d2o
+from d2o import Budget
+from d2o.budget import UNLIMITED
 
-from conftest import ARCHITECTURES, greedy, left_pad, random_ids, tiny_model
+from conftest import ARCHITECTURES, greedy, left_pad, make_cache, random_ids, tiny_model
 
 ARCHS = list(ARCHITECTURES)
 
@@ -38,7 +39,7 @@ def lengths(cache):
 def test_layers_hold_exactly_their_budgets_after_prefill_and_50_steps(arch, budget):
     model = tiny_model(arch)
     prompt = 160
-    cache = CompressedCache(model, "d2o", budget)
+    cache = make_cache(model, "d2o", budget)
     logits = forward(model, random_ids(prompt), cache)
     budgets = [int(layer.budget) for layer in cache.layers]
     assert sum(budgets) == Budget.parse(budget).total(model.config.num_hidden_layers, prompt)
@@ -56,7 +57,7 @@ def test_layers_hold_exactly_their_budgets_after_prefill_and_50_steps(arch, budg
 
 def test_sinks_and_recent_window_are_always_kept():
     model = tiny_model("llama")
-    cache = CompressedCache(model, "d2o", 0.2)
+    cache = make_cache(model, "d2o", 0.2)
     logits = forward(model, random_ids(200), cache)
     for step in range(30):
         for layer in cache.layers:
@@ -76,7 +77,7 @@ def test_budget_one_gives_the_logits_of_the_stock_model(arch, attention):
     model = tiny_model(arch, attention=attention)
     ids = random_ids(90)
     follow = random_ids(20, seed=2)
-    cache = CompressedCache(model, "d2o", 1.0)
+    cache = make_cache(model, "d2o", 1.0)
     ours = [forward(model, ids, cache)] + [forward(model, follow[:, i:i + 1], cache) for i in range(20)]
     model.set_attn_implementation(attention)  # stock transformers, plain cache
     reference = DynamicCache(config=model.config)
@@ -89,7 +90,7 @@ def test_budget_one_gives_the_logits_of_the_stock_model(arch, attention):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_stays_finite(dtype):
     model = tiny_model("qwen2", dtype=dtype)
-    cache = CompressedCache(model, "d2o", 0.2)
+    cache = make_cache(model, "d2o", 0.2)
     logits = forward(model, random_ids(180), cache)
     _, logits = decode(model, cache, logits, 30)
     assert torch.isfinite(logits).all()
@@ -104,10 +105,10 @@ def test_a_padded_batch_gives_the_tokens_of_its_prompts_one_by_one(arch):
     model = tiny_model(arch, dtype=torch.float64)
     prompts = [random_ids(n, seed=n)[0] for n in (120, 75, 96)]
     ids, mask = left_pad(prompts)
-    batch_cache = CompressedCache(model, "d2o", 0.3)
+    batch_cache = make_cache(model, "d2o", 0.3)
     batched = greedy(model, ids, batch_cache, steps=30, mask=mask)
     for row, prompt in enumerate(prompts):
-        cache = CompressedCache(model, "d2o", 0.3)
+        cache = make_cache(model, "d2o", 0.3)
         alone = greedy(model, prompt[None], cache, steps=30)
         assert batched[row].tolist() == alone[0].tolist()
         # Same budgets, same kept tokens in every layer and head; padding never kept.
@@ -122,8 +123,8 @@ def test_a_padded_batch_gives_the_tokens_of_its_prompts_one_by_one(arch):
 def test_hand_written_loop_equals_generate():
     model = tiny_model("mistral")
     ids = random_ids(150)
-    generated = greedy(model, ids, CompressedCache(model, "d2o", 0.25), steps=25)
-    cache = CompressedCache(model, "d2o", 0.25)
+    generated = greedy(model, ids, make_cache(model, "d2o", 0.25), steps=25)
+    cache = make_cache(model, "d2o", 0.25)
     tokens, _ = decode(model, cache, forward(model, ids, cache), 25)
     assert tokens.tolist() == generated.tolist()
 
@@ -131,7 +132,7 @@ def test_hand_written_loop_equals_generate():
 def test_a_multi_token_input_after_compression_sees_the_right_tokens():
     """A question appended to a compressed context: one forward equals token-by-token feeding."""
     model = tiny_model("llama", dtype=torch.float64)
-    cache = CompressedCache(model, "d2o", 0.2)
+    cache = make_cache(model, "d2o", 0.2)
     forward(model, random_ids(200), cache)
     assert len(set(lengths(cache))) > 1  # layers of different lengths
     question = random_ids(9, seed=5)
@@ -149,9 +150,9 @@ def test_a_multi_token_input_after_compression_sees_the_right_tokens():
 def test_a_chunked_prefill_under_hold_compresses_like_one_prefill():
     model = tiny_model("qwen2", dtype=torch.float64)
     ids = random_ids(180)
-    whole = CompressedCache(model, "h2o", 0.3)
+    whole = make_cache(model, "h2o", 0.3)
     forward(model, ids, whole)
-    chunked = CompressedCache(model, "h2o", 0.3)
+    chunked = make_cache(model, "h2o", 0.3)
     with chunked.hold():
         for start in range(0, 180, 60):
             forward(model, ids[:, start:start + 60], chunked)
@@ -162,7 +163,7 @@ def test_a_chunked_prefill_under_hold_compresses_like_one_prefill():
 
 def test_prompts_within_an_absolute_budget_are_not_compressed_until_they_outgrow_it():
     model = tiny_model("llama")
-    cache = CompressedCache(model, "h2o", "64t")
+    cache = make_cache(model, "h2o", "64t")
     logits = forward(model, random_ids(40), cache)
     assert lengths(cache) == [40] * 4
     decode(model, cache, logits, 30)
@@ -173,7 +174,7 @@ def test_sliding_window_layers_are_masked_by_true_token_distance():
     model = tiny_model("mistral", sliding_window=16)
     ids = random_ids(60)
     follow = random_ids(5, seed=3)
-    cache = CompressedCache(model, "full", 1.0)
+    cache = make_cache(model, "full", 1.0)
     ours = [forward(model, ids, cache)] + [forward(model, follow[:, i:i + 1], cache) for i in range(5)]
     model.set_attn_implementation("sdpa")
     reference = DynamicCache(config=model.config)
@@ -184,7 +185,7 @@ def test_sliding_window_layers_are_masked_by_true_token_distance():
 
 def test_exempt_layers_hold_everything_and_count_against_the_total():
     model = tiny_model("llama")
-    cache = CompressedCache(model, "d2o", 0.7, exempt_layers=(0, -1))
+    cache = make_cache(model, "d2o", 0.7, exempt_layers=(0, -1))
     forward(model, random_ids(100), cache)
     budgets = [int(layer.budget) for layer in cache.layers]
     assert budgets[0] == budgets[-1] == UNLIMITED
@@ -194,7 +195,7 @@ def test_exempt_layers_hold_everything_and_count_against_the_total():
 
 def test_report_totals_match_the_layers():
     model = tiny_model("llama")
-    cache = CompressedCache(model, "d2o", 0.25)
+    cache = make_cache(model, "d2o", 0.25)
     logits = forward(model, random_ids(120), cache)
     decode(model, cache, logits, 5)
     report = cache.report()
@@ -203,7 +204,7 @@ def test_report_totals_match_the_layers():
     assert report.kv_bytes == cache.nbytes
     assert report.kv_bytes_full == 4 * 125 * 2 * 16 * 2 * 4
     assert report.layer_budgets == [int(layer.budget) for layer in cache.layers]
-    assert all(len(layer.tau_history) == 6 for layer in report.layers)  # prefill + 5 decode evictions
+    assert all(len(layer.method["tau"][0]) == 6 for layer in report.layers)  # prefill + 5 decode evictions
 
 
 def test_sampling_through_generate():
@@ -217,8 +218,9 @@ def test_sampling_through_generate():
                                  top_k=20, temperature=0.8, max_new_tokens=25, min_new_tokens=25, pad_token_id=0)
         return out[0, 80:].tolist()
 
-    ours = sample(CompressedCache(model, "d2o", 1.0))
+    ours = sample(make_cache(model, "d2o", 1.0))
     model.set_attn_implementation("sdpa")
     assert ours == sample(DynamicCache(config=model.config))
-    compressed = CompressedCache(model, "d2o", 0.3)
+    d2o.install(model)
+    compressed = make_cache(model, "d2o", 0.3)
     assert len(sample(compressed)) == 25 and lengths(compressed) == [int(layer.budget) for layer in compressed.layers]

@@ -86,7 +86,7 @@ def test_niah_grid_and_heatmaps(real_model, tmp_path):
 def test_perplexity_with_full_cache_equals_one_forward(real_model, tmp_path):
     model, tokenizer = real_model
     task = get_task("perplexity", length=256, chunk=64, window=128)
-    tokens = task.tokens(tokenizer)
+    tokens = torch.tensor([task.encode(task.samples(tokenizer, None, 0)[0], tokenizer)])
     with torch.inference_mode():
         logits = model(input_ids=tokens).logits[0, :-1].float()
     direct = math.exp(torch.nn.functional.cross_entropy(logits, tokens[0, 1:]).item())
@@ -114,11 +114,12 @@ def test_the_eval_command(real_model, tmp_path, monkeypatch, capsys):
         return 0
 
     out = tmp_path / "cli"
-    assert run("--task", "passkey", "--length", "300", "--limit", "1", "--methods", "full,h2o", "--budgets", "0.5",
-               "--option", "h2o.split=3:1", "--out", str(out)) == 0
+    assert run("--task", "passkey", "--task-option", "length=300", "--limit", "1", "--methods", "full,h2o",
+               "--budgets", "0.5", "--option", "h2o.split=3:1", "--out", str(out)) == 0
     assert "| h2o | " in capsys.readouterr().out
     assert json.loads((out / "config.json").read_text())["identity"]["method_options"] == {"h2o": {"split": [3, 1]}}
-    assert run("--task", "passkey", "--lengths", "300,400", "--out", str(tmp_path / "bad")) == 2
+    assert run("--task", "passkey", "--task-option", "lengths=300,400", "--out", str(tmp_path / "bad")) == 2
     assert "task 'passkey' takes no option lengths" in capsys.readouterr().err
-    assert run("--task", "longbench", "--data-dir", str(tmp_path / "missing"), "--out", str(tmp_path / "bad")) == 2
+    assert run("--task", "longbench", "--task-option", f"data_dir={tmp_path / 'missing'}",
+               "--out", str(tmp_path / "bad")) == 2
     assert "LongBench data folder" in capsys.readouterr().err

@@ -3,14 +3,16 @@
 import pytest
 import torch
 import torch.nn.functional as F
+
+import d2o
 from transformers import DynamicCache
 
-from d2o import Budget, CompressedCache, D2OError, get_method
+from d2o import Budget, D2OError, get_method
 from d2o.methods import REGISTRY
 from d2o.methods.base import HeavyRecent
 from d2o.methods.snapkv import SnapKV
 
-from conftest import greedy, left_pad, random_ids, tiny_model
+from conftest import greedy, left_pad, make_cache, random_ids, tiny_model
 
 METHODS = list(REGISTRY)
 # Methods whose total after the prefill is not held to round(L * rho * S).
@@ -22,15 +24,16 @@ def promised(method, layer, row, budget):
     """(sinks, newest) token counts the method promises to keep in a layer holding `budget`."""
     if isinstance(method, SnapKV):
         return method.n_sinks, min(budget, method.window)
-    if isinstance(method, HeavyRecent) and "recent" not in layer.layer_state:
+    recent = getattr(layer.state, "recent", None)
+    if isinstance(method, HeavyRecent) and recent is None:
         return method.n_sinks, int(method.n_recent(torch.tensor([budget]))[0])
-    if "recent" in layer.layer_state:  # the official preset's own recent part
-        return method.n_sinks, min(int(layer.layer_state["recent"][row]), budget - method.n_sinks)
+    if recent is not None:  # the official preset's own recent part
+        return method.n_sinks, min(int(recent[row]), budget - method.n_sinks)
     return method.n_sinks, 0
 
 
 def check_promises(cache, row, seen_row):
-    method = cache.method
+    method = cache.policy
     for layer in cache.layers:
         kept = layer.token_index[row]
         budget = int(layer.budget[row]) if layer.budget is not None else -1
@@ -51,11 +54,11 @@ def test_batch_equals_one_by_one_with_exact_lengths_and_promises(name, arch, att
     model = tiny_model(arch, dtype=torch.float64, attention=attention)
     prompts = [random_ids(n, seed=n)[0] for n in (140, 96, 120)]  # budgets above SnapKV's window
     ids, mask = left_pad(prompts)
-    batch_cache = CompressedCache(model, name, 0.5)
+    batch_cache = make_cache(model, name, 0.5)
     batched = greedy(model, ids, batch_cache, steps=STEPS, mask=mask)
     n_layers = model.config.num_hidden_layers
     for row, prompt in enumerate(prompts):
-        cache = CompressedCache(model, name, 0.5)
+        cache = make_cache(model, name, 0.5)
         alone = greedy(model, prompt[None], cache, steps=STEPS)
         assert batched[row].tolist() == alone[0].tolist()
         seen = len(prompt) + STEPS - 1  # the last generated token is never fed back
@@ -63,7 +66,7 @@ def test_batch_equals_one_by_one_with_exact_lengths_and_promises(name, arch, att
         for mine, theirs, budget in zip(batch_cache.layers, cache.layers, budgets):
             assert int(mine.budget[row]) == budget
             assert int(mine.n_kept[row]) == int(theirs.n_kept[0])
-            expected = seen if budget < 0 else budget + (0 if cache.method.evicts_during_decode else STEPS - 1)
+            expected = seen if budget < 0 else budget + (0 if cache.policy.evicts_during_decode else STEPS - 1)
             assert int(theirs.n_kept[0]) == expected
             assert theirs.keys.shape[2] == expected  # one sequence: no empty slots at all
         if name not in UNCONSERVED:
@@ -75,7 +78,7 @@ def test_batch_equals_one_by_one_with_exact_lengths_and_promises(name, arch, att
 @pytest.mark.parametrize("name", METHODS)
 def test_after_prefill_every_method_holds_the_same_total(name, arch):
     model = tiny_model(arch)
-    cache = CompressedCache(model, name, 0.3)
+    cache = make_cache(model, name, 0.3)
     with torch.inference_mode():
         model(input_ids=random_ids(150), cache=cache)
     lengths = [layer.keys.shape[2] for layer in cache.layers]
@@ -92,7 +95,7 @@ def test_after_prefill_every_method_holds_the_same_total(name, arch):
 def test_budget_one_equals_the_full_cache(name):
     model = tiny_model("qwen2")
     ids, follow = random_ids(80), random_ids(STEPS, seed=9)
-    cache = CompressedCache(model, name, 1.0)
+    cache = make_cache(model, name, 1.0)
     reference = DynamicCache(config=model.config)
     with torch.inference_mode():
         ours = [model(input_ids=ids, cache=cache).logits]
@@ -107,7 +110,7 @@ def test_budget_one_equals_the_full_cache(name):
 @pytest.mark.parametrize("name", METHODS)
 def test_float16_stays_finite(name):
     model = tiny_model("llama", dtype=torch.float16)
-    cache = CompressedCache(model, name, 0.3)
+    cache = make_cache(model, name, 0.3)
     with torch.inference_mode():
         logits = model(input_ids=random_ids(150), cache=cache).logits
         for _ in range(20):
@@ -129,11 +132,12 @@ def explicit():
     model.set_attn_implementation("eager")
     with torch.inference_mode():
         attentions = model(input_ids=ids, output_attentions=True).attentions
+    d2o.install(model, "eager")
     return model, ids, [a[0] for a in attentions]
 
 
 def kept_after_prefill(model, ids, name):
-    cache = CompressedCache(model, name, BUDGET)
+    cache = make_cache(model, name, BUDGET)
     with torch.inference_mode():
         model(input_ids=ids, cache=cache)
     return [[set(head.tolist()) for head in layer.token_index[0]] for layer in cache.layers]
@@ -194,7 +198,7 @@ def test_local_keeps_the_last_tokens(explicit):
 
 def test_pyramidkv_budgets_fall_with_depth_and_keep_the_mean():
     model = tiny_model("llama", num_hidden_layers=6)
-    cache = CompressedCache(model, "pyramidkv", 0.4)
+    cache = make_cache(model, "pyramidkv", 0.4)
     with torch.inference_mode():
         model(input_ids=random_ids(200), cache=cache)
     budgets = [int(layer.budget) for layer in cache.layers]
@@ -208,7 +212,7 @@ def test_cam_merges_values_only_and_reproducibly():
     ids = random_ids(150)
     runs = []
     for name in ("cam", "cam", "h2o"):
-        cache = CompressedCache(model, name, 0.3)
+        cache = make_cache(model, name, 0.3)
         with torch.inference_mode():
             model(input_ids=ids, cache=cache)
         runs.append(cache.layers)
@@ -223,7 +227,7 @@ def test_cam_merges_values_only_and_reproducibly():
 def test_sirllm_keeps_the_most_surprising_tokens():
     model = tiny_model("llama")
     ids = random_ids(150)
-    cache = CompressedCache(model, "sirllm", 0.3)
+    cache = make_cache(model, "sirllm", 0.3)
     with torch.inference_mode():
         logits = model(input_ids=ids).logits  # no d2o cache: every position, nothing evicted
     surprisal = torch.logsumexp(logits[0, :-1].float(), -1) - logits[0, :-1].float().gather(-1, ids[0, 1:, None])[:, 0]
@@ -253,6 +257,6 @@ def test_out_of_range_method_options_name_the_parameter(name, options, budget, p
     model = tiny_model("llama")
     with pytest.raises(D2OError, match=parameter):
         method = get_method(name, **options)
-        cache = CompressedCache(model, method, budget)
+        cache = make_cache(model, method, budget)
         with torch.inference_mode():
             model(input_ids=random_ids(150), cache=cache)

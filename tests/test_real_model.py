@@ -6,7 +6,7 @@ import pytest
 
 from d2o.data import essays
 from d2o.eval.tasks.passkey import make_passkey_prompt, passkey_score
-from d2o.generation import generate
+from d2o.runtime.generation import generate
 
 
 @pytest.fixture(scope="module")

@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from d2o import CompressedCache, D2OError, get_method
-from d2o.engine.sharing import SharedPrefill
+from d2o import D2OError, get_method
+from d2o.runtime.sharing import SharedPrefill
 from d2o.methods import REGISTRY
 
-from conftest import random_ids, tiny_model
+from conftest import make_cache, random_ids, tiny_model
 
 SHAREABLE = [name for name in REGISTRY if not REGISTRY[name].cls.repeats_kv_heads]
 
@@ -32,7 +32,7 @@ def test_forks_equal_separate_runs():
     for index, name in enumerate(SHAREABLE):
         for budget in (0.3, "50t"):
             fork = shared.fork(index, budget)
-            alone = CompressedCache(model, name, budget)
+            alone = make_cache(model, name, budget)
             with torch.inference_mode():
                 alone_logits = model(input_ids=ids, cache=alone).logits
             torch.testing.assert_close(alone_logits, logits)

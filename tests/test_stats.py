@@ -34,7 +34,8 @@ def test_chunked_stats_equal_the_full_matrix(monkeypatch, chunk_elements, n_past
     kv_valid[0, 3] = False  # an evicted slot in the middle
     query_valid = kv_valid[:, n_past:]
     window = 5
-    got = attention_stats(query, key, kv_valid, query_valid, 0.3, StatsRequest(column_mass=True, window=window))
+    per_head = kv_valid[:, None].expand(-1, kv_heads, -1)
+    got = attention_stats(query, key, per_head, query_valid, 0.3, StatsRequest(column_mass=True, window=window))
 
     probs = explicit_attention(query, key, kv_valid, 0.3).nan_to_num(0.0) * query_valid[:, None, :, None]
     expected_mass = probs.sum(2).view(batch, kv_heads, heads // kv_heads, n_keys)
@@ -51,7 +52,7 @@ def test_window_only_request_skips_the_mass():
     query = torch.randn(1, 4, 30, 8)
     key = torch.randn(1, 2, 30, 8)
     valid = torch.ones(1, 30, dtype=torch.bool)
-    got = attention_stats(query, key, valid, valid, 0.35, StatsRequest(window=1))
+    got = attention_stats(query, key, valid[:, None].expand(-1, 2, -1), valid, 0.35, StatsRequest(window=1))
     assert got.column_mass is None and got.window.shape == (1, 2, 2, 1, 30)
     expected = explicit_attention(query, key, valid, 0.35)[:, :, -1:]
     torch.testing.assert_close(got.window.view(1, 4, 1, 30), expected)

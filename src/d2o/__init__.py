@@ -1,21 +1,30 @@
-"""d2o: long-context inference under a KV-cache budget, on Hugging Face transformers."""
+"""d2o: long-context inference under a KV-cache budget, on Hugging Face transformers.
+
+The names below load lazily, so that ``d2o`` (and its command line) can check its input before
+importing torch and transformers.
+"""
+
+from importlib import import_module
 
 from d2o.budget import Budget
-from d2o.engine import CacheReport, CompressedCache, install
 from d2o.errors import D2OError
-from d2o.generation import generate
-from d2o.methods import REGISTRY as METHODS
-from d2o.methods import get_method
-from d2o.models import load_model
 
-__all__ = [
-    "METHODS",
-    "Budget",
-    "CacheReport",
-    "CompressedCache",
-    "D2OError",
-    "generate",
-    "get_method",
-    "install",
-    "load_model",
-]
+_LAZY = {
+    "CacheReport": "d2o.engine.report",
+    "CompressedCache": "d2o.engine.cache",
+    "install": "d2o.engine.attention",
+    "uninstall": "d2o.engine.attention",
+    "METHODS": "d2o.methods",
+    "get_method": "d2o.methods",
+    "generate": "d2o.runtime.generation",
+    "load_model": "d2o.models",
+}
+
+__all__ = ["Budget", "D2OError", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'd2o' has no attribute {name!r}")
+    module = import_module(_LAZY[name])
+    return getattr(module, "REGISTRY" if name == "METHODS" else name)

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from d2o.errors import D2OError
 
+UNLIMITED = -1  # a layer budget that never evicts (an exempt layer, or a budget covering everything)
+
 
 @dataclass(frozen=True)
 class Budget:
@@ -48,6 +50,11 @@ class Budget:
         except ValueError:
             raise D2OError(f"budget {value!r} is neither a ratio (0.2) nor a token count (128t)") from None
         return cls(ratio=ratio)
+
+    @property
+    def unlimited(self) -> bool:
+        """The whole sequence, now and as it grows: nothing is ever evicted."""
+        return self.ratio == 1.0
 
     def total(self, n_layers: int, prompt_tokens: int) -> int:
         """Total KV tokens over ``n_layers`` layers for a prompt of ``prompt_tokens`` real tokens."""

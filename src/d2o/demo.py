@@ -6,7 +6,7 @@ import random
 
 from d2o.data import essays
 from d2o.eval.tasks.passkey import make_passkey_prompt, passkey_score
-from d2o.generation import generate
+from d2o.runtime.generation import generate
 from d2o.models import load_model
 
 RUNS = (("full", 1.0), ("d2o", 0.2), ("d2o", 0.5))

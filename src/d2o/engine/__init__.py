@@ -1,16 +1,4 @@
-"""The engine: compressed KV storage, the attention hook, exact chunked statistics. It names no method."""
+"""The engine: compressed KV storage, the attention hook, exact chunked statistics, selection.
 
-from d2o.engine.attention import SUPPORTED_FAMILIES, install
-from d2o.engine.cache import CacheReport, CompressedCache, CompressedLayer, LayerReport
-from d2o.engine.stats import AttentionStats, StatsRequest
-
-__all__ = [
-    "SUPPORTED_FAMILIES",
-    "AttentionStats",
-    "CacheReport",
-    "CompressedCache",
-    "CompressedLayer",
-    "LayerReport",
-    "StatsRequest",
-    "install",
-]
+It runs any ``Policy`` and names no method: methods live above it, in ``d2o.methods``.
+"""

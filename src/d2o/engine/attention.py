@@ -1,4 +1,4 @@
-"""The attention function d2o registers with transformers.
+"""The attention function d2o registers with transformers, and installing it on a model.
 
 transformers builds one causal mask per forward pass, sized for layer 0, and reads it at
 ``kv_offset + slot``: after eviction that matches the kept tokens only by chance, and layers of
@@ -6,8 +6,9 @@ different lengths cannot take a multi-token input at all. So d2o registers a mas
 passes the model's 2D padding mask through unchanged, and this attention function builds each
 layer's own mask: slot validity kept by the cache layer, plus a bottom-right-aligned causal
 block over the new tokens. The output comes from transformers' own SDPA (or eager) function, so
-without compression the logits are those of the stock model. Statistics the method asks for are
-computed exactly in query chunks (see ``stats``), and after the last layer the cache compresses.
+without compression the logits are those of the stock model. Statistics the policy asks for are
+computed exactly in query chunks (see ``stats``), and after the decoder's last layer the cache
+compresses (a forward hook on the decoder).
 """
 
 from __future__ import annotations
@@ -18,14 +19,17 @@ from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_f
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
-from d2o.engine.cache import CompressedCache, claim_active_layer
+from d2o.engine.cache import CompressedCache
 from d2o.engine.stats import allowed_keys, attention_stats
+from d2o.engine.storage import claim_active_layer
 from d2o.errors import D2OError
 
 # Model families whose attention calls `cache.update` then the registered attention function on
 # unrepeated KV heads, with keys after RoPE (checked in the tests with tiny random models).
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 ATTENTION_NAMES = {"sdpa": "d2o_sdpa", "eager": "d2o_eager"}
+HOOK_ATTRIBUTE = "_d2o_end_of_forward"  # on the decoder: the handle of the forward hook
+STOCK_ATTRIBUTE = "_d2o_stock_attention"  # on the model: the implementation install replaced
 
 
 def _padding_mask(attention_mask=None, **_) -> torch.Tensor | None:
@@ -47,11 +51,11 @@ def _make_attention(backend: str):
         if layer is not None:
             new_valid = padding[:, -n_query:]
             layer.admit(new_valid)
-            kv_valid = layer.valid
+            kv_valid = layer.valid  # (B, G, N)
             positions = layer.token_index
         else:  # no d2o cache (plain DynamicCache, or none): slots are the padded token stream
-            kv_valid = padding[:, -n_keys:]
-            new_valid = kv_valid[:, -n_query:]
+            kv_valid = padding[:, None, -n_keys:]
+            new_valid = kv_valid[:, 0, -n_query:]
             positions = None
         if key.shape[1] != query.shape[1] // module.num_key_value_groups:  # KV heads stored repeated
             module = _Grouping(module, query.shape[1] // key.shape[1])
@@ -61,8 +65,9 @@ def _make_attention(backend: str):
         mask = None
         simple = window_mask is None and bool(kv_valid.all())
         if not simple or (backend == "eager" and n_query > 1) or n_query not in (1, n_keys):
-            mask = allowed_keys(kv_valid, 0, n_query, n_query, n_keys, window_mask)  # (B, 1|G, q, N)
-            if mask.shape[1] > 1:  # per-KV-head sliding window: one mask per query head
+            shared = kv_valid[:, :1] if bool((kv_valid == kv_valid[:, :1]).all()) else kv_valid
+            mask = allowed_keys(shared, 0, n_query, n_query, n_keys, window_mask)  # (B, 1|G, q, N)
+            if mask.shape[1] > 1:  # slots differ between KV heads: one mask per query head
                 mask = repeat_kv(mask, module.num_key_value_groups)
         if backend == "eager":
             if mask is not None:
@@ -74,11 +79,12 @@ def _make_attention(backend: str):
             output, _ = sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling)
 
         if layer is not None:
-            cache = layer.cache
-            request = cache.method.stats_request(layer, n_query)
+            policy = layer.cache.policy
+            request = policy.stats_request(layer, n_query)
             if request is not None:
-                stats = attention_stats(query, key, kv_valid, new_valid, scaling, request, window_mask)
-                cache.method.observe(layer, stats)
+                per_head = kv_valid.expand(-1, key.shape[1], -1)
+                stats = attention_stats(query, key, per_head, new_valid, scaling, request, window_mask)
+                policy.observe(layer, stats)
         return output, None
 
     attention.__name__ = f"d2o_{backend}_attention"
@@ -121,18 +127,23 @@ def register() -> None:
         AttentionMaskInterface.register(name, _padding_mask)
 
 
-def install(model, backend: str | None = None) -> None:
-    """Route ``model``'s attention through d2o's hook; ``backend`` is "sdpa" (default) or "eager".
-
-    Outputs are unchanged (the same kernels compute them); only a ``CompressedCache`` compresses.
-    """
-    config = model.config.get_text_config()
-    family = getattr(config, "model_type", None)
+def check_family(config) -> None:
+    """Refuse a model whose attention d2o cannot hook, naming its family."""
+    family = getattr(config.get_text_config(), "model_type", None)
     if family not in SUPPORTED_FAMILIES:
         raise D2OError(
             f"model family {family!r} is not supported: d2o hooks the attention of {', '.join(SUPPORTED_FAMILIES)}"
         )
-    current = config._attn_implementation
+
+
+def install(model, backend: str | None = None) -> None:
+    """Route ``model``'s attention through d2o's hook; ``backend`` is "sdpa" (default) or "eager".
+
+    Outputs are unchanged (the same kernels compute them); only a ``CompressedCache`` compresses.
+    ``uninstall`` puts the model back as it was.
+    """
+    check_family(model.config)
+    current = model.config.get_text_config()._attn_implementation
     if backend is None:
         if current in ATTENTION_NAMES.values():
             return
@@ -140,28 +151,42 @@ def install(model, backend: str | None = None) -> None:
     if backend not in ATTENTION_NAMES:
         raise D2OError(f"attention backend {backend!r} is not supported: choose sdpa or eager")
     register()
+    if current not in ATTENTION_NAMES.values():
+        setattr(model, STOCK_ATTRIBUTE, current)
     model.set_attn_implementation(ATTENTION_NAMES[backend])
     decoder = model.get_decoder()
-    if not hasattr(decoder, "_d2o_end_of_forward"):
-        decoder._d2o_end_of_forward = decoder.register_forward_hook(
-            _end_of_forward(model.get_output_embeddings()), with_kwargs=True
-        )
+    if not hasattr(decoder, HOOK_ATTRIBUTE):
+        handle = decoder.register_forward_hook(_end_of_forward(model.get_output_embeddings()), with_kwargs=True)
+        setattr(decoder, HOOK_ATTRIBUTE, handle)
+
+
+def uninstall(model) -> None:
+    """Undo ``install``: the model's own attention implementation again, and no forward hook."""
+    decoder = model.get_decoder()
+    handle = getattr(decoder, HOOK_ATTRIBUTE, None)
+    if handle is not None:
+        handle.remove()
+        delattr(decoder, HOOK_ATTRIBUTE)
+    stock = getattr(model, STOCK_ATTRIBUTE, None)
+    if stock is not None:
+        model.set_attn_implementation(stock)
+        delattr(model, STOCK_ATTRIBUTE)
 
 
 def _end_of_forward(lm_head):
     """Forward hook on the decoder: after every pass, let a d2o cache see the tokens and compress.
 
-    Compressing here, after the final norm, rather than in the last layer, lets methods score
+    Compressing here, after the final norm, rather than in the last layer, lets policies score
     tokens by what the model predicted (token surprisal) as well as by attention.
     """
 
     def hook(module, args, kwargs, output):
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         if isinstance(cache, CompressedCache):
-            if cache.method.needs_surprisal:
+            if cache.policy.needs_surprisal:
                 input_ids = kwargs.get("input_ids", args[0] if args else None)
                 if input_ids is None:
-                    raise D2OError(f"{cache.method.name} scores tokens by surprisal: give input_ids, not embeddings")
+                    raise D2OError(f"{cache.policy.name} scores tokens by surprisal: give input_ids, not embeddings")
                 cache.observe_tokens(input_ids, output.last_hidden_state, lm_head)
             cache.end_of_forward()
 

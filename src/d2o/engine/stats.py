@@ -29,10 +29,12 @@ class StatsRequest:
 class AttentionStats:
     """Statistics of one forward pass of one layer, per query head grouped by KV head.
 
-    ``column_mass``: (B, G, group, N) float32, or None. ``window``: (B, G, group, w, N) float32
-    (the rows of the last w queries; rows of padding queries are zero), or None.
+    ``n_query``: the queries of the pass. ``column_mass``: (B, G, group, N) float32, or None.
+    ``window``: (B, G, group, w, N) float32 (the rows of the last w queries; rows of padding
+    queries are zero), or None.
     """
 
+    n_query: int
     column_mass: torch.Tensor | None = None
     window: torch.Tensor | None = None
 
@@ -40,16 +42,17 @@ class AttentionStats:
 def allowed_keys(
     kv_valid: torch.Tensor, q_start: int, q_end: int, n_new: int, n_keys: int, window_mask=None
 ) -> torch.Tensor:
-    """(B, 1, c, n_keys) bool: which of the first ``n_keys`` slots queries ``q_start:q_end`` may see.
+    """(B, G, c, n_keys) bool: which of the first ``n_keys`` slots queries ``q_start:q_end`` may see.
 
-    The ``n_new`` newest slots are this pass's queries themselves (causal, bottom-right aligned);
-    older slots are visible when valid. ``window_mask`` (optional callable) adds a sliding window.
+    ``kv_valid`` is (B, G, N), G the KV heads (or 1 when every head holds the same slots). The
+    ``n_new`` newest slots are this pass's queries themselves (causal, bottom-right aligned); older
+    slots are visible when valid. ``window_mask`` (optional callable) adds a sliding window.
     """
     device = kv_valid.device
     past = kv_valid.shape[-1] - n_new
     rows = torch.arange(q_start, q_end, device=device)[:, None] + past
     cols = torch.arange(n_keys, device=device)[None, :]
-    allowed = (cols <= rows)[None, None] & kv_valid[:, None, None, :n_keys]
+    allowed = (cols <= rows)[None, None] & kv_valid[:, :, None, :n_keys]
     if window_mask is not None:
         allowed = allowed & window_mask(q_start, q_end, n_keys)
     return allowed
@@ -66,8 +69,8 @@ def attention_stats(
 ) -> AttentionStats:
     """Compute ``request`` for queries (B, H, q, D) over keys (B, G, N, D), exactly, in query chunks.
 
-    ``kv_valid`` (B, N) marks real slots (the last q are the queries' own), ``query_valid`` (B, q)
-    real queries: padding queries contribute nothing. Each chunk is one plain matrix product per
+    ``kv_valid`` (B, G, N) marks real slots per KV head (the last q are the queries' own),
+    ``query_valid`` (B, q) real queries: padding queries contribute nothing. Each chunk is one plain matrix product per
     row and KV head (the query heads of a group stacked), restricted to the keys its rows can see.
     """
     batch, heads, n_query, dim = query.shape
@@ -77,7 +80,7 @@ def attention_stats(
     window_rows = min(request.window, n_query)
     window_start = n_query - window_rows
     if not request.column_mass and not window_rows:
-        return AttentionStats()
+        return AttentionStats(n_query)
     mass = key.new_zeros((batch, kv_heads, group, n_keys), dtype=torch.float32) if request.column_mass else None
     window = key.new_zeros((batch, kv_heads, group, window_rows, n_keys), dtype=torch.float32) if window_rows else None
     first = 0 if request.column_mass else window_start  # only the window's rows are needed without mass
@@ -105,7 +108,7 @@ def attention_stats(
                 own = scores[:, :, past + start : visible]
                 own.masked_fill_(future[:rows, :rows], lowest)
                 if padded_keys:
-                    scores.masked_fill_(~kv_valid[b, None, None, :visible], lowest)
+                    scores.masked_fill_(~kv_valid[b, g, None, None, :visible], lowest)
                 if window_mask is not None:
                     allowed = window_mask(start, end, visible)[b]
                     scores.masked_fill_(~allowed[g if allowed.shape[0] > 1 else 0], lowest)
@@ -117,7 +120,7 @@ def attention_stats(
                 if window is not None and end > window_start:
                     low = max(start, window_start)
                     window[b, g, :, low - window_start : end - window_start, :visible] = probs[:, low - start :]
-    return AttentionStats(column_mass=mass, window=window)
+    return AttentionStats(n_query, column_mass=mass, window=window)
 
 
 # Logits held at once while computing surprisal (float32 elements): 16 MB.

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from d2o.errors import D2OError
-from d2o.models import cache_dir
+from d2o.paths import cache_dir
 
 INDEX = os.environ.get("D2O_PYPI_SIMPLE", "https://pypi.org/simple")
 BIGBENCH = ("bigbench", "bigbench-1.0.0.tar.gz")

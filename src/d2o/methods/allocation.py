@@ -111,7 +111,7 @@ def layer_density(layer) -> torch.Tensor:
     mass = layer.slot_state.get("mass")
     if mass is None:
         raise D2OError("inverse-variance allocation needs a method that accumulates attention (h2o, d2o, cam)")
-    valid = layer.valid[:, None, :, None].to(mass.dtype)  # (B, 1, N, 1)
+    valid = layer.valid[..., None].to(mass.dtype)  # (B, G, N, 1)
     count = valid.sum(2).clamp_min(2)
     mean = (mass * valid).sum(2) / count
     variance = (((mass - mean[:, :, None]) * valid) ** 2).sum(2) / (count - 1)  # (B, G, group)

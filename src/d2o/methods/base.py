@@ -1,4 +1,4 @@
-"""The method interface: what a compression policy tells the engine, and the registry of methods.
+"""The method base class, the engine's ``Policy`` made concrete, and the registry of methods.
 
 A method is a stateless configuration (a dataclass): all state lives in the cache layers, so one
 method object can serve any number of caches and nothing leaks from one sequence to the next.
@@ -12,40 +12,26 @@ The engine asks it, in order:
 6. ``merge`` (optional component): what becomes of the evicted slots.
 
 The engine then keeps, per row and KV head, the protected slots and the best-scoring others.
+Per-layer state a method needs beyond its slots is a typed ``RowState`` of its own
+(``new_layer_state``), and ``report`` returns its diagnostics.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, is_dataclass, replace
-from typing import TYPE_CHECKING, Callable, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import torch
 
-from d2o.engine.cache import UNLIMITED
+from d2o.budget import UNLIMITED, Budget
+from d2o.engine.policy import Merge
 from d2o.engine.stats import AttentionStats, StatsRequest
 from d2o.errors import D2OError
 from d2o.methods.allocation import Allocation, Uniform, allocation_named, conserve
 
 if TYPE_CHECKING:
-    from d2o.engine.cache import CompressedCache, CompressedLayer
-
-
-class Merge(Protocol):
-    """What happens to evicted slots: folded into kept ones instead of being dropped."""
-
-    def merge(
-        self,
-        layer: CompressedLayer,
-        keep: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        keep_valid: torch.Tensor,
-        evict: torch.Tensor,
-        evict_valid: torch.Tensor,
-    ) -> torch.Tensor:
-        """Fold the evicted slots ``evict`` (B, G, E) of ``layer`` into the kept slots ``keep``
-        (B, G, K), whose ``keys``/``values`` (B, G, K, D) are modified in place; return how many
-        (token, KV head) pairs were merged per row."""
+    from d2o.engine.cache import CompressedCache
+    from d2o.engine.storage import CompressedLayer, RowState
 
 
 @dataclass
@@ -77,6 +63,15 @@ class Method:
         check(self.n_sinks >= 0, "n_sinks", self.n_sinks, "must be >= 0")
         self.exempt_layers = tuple(self.exempt_layers)
 
+    # -- state and diagnostics ------------------------------------------------------------------
+    def new_layer_state(self) -> RowState | None:
+        """The per-layer state of a new cache: its merge component's, if it has one."""
+        return self.merge.new_state() if self.merge is not None else None
+
+    def report(self, layer: CompressedLayer) -> dict[str, list[Any]]:
+        """Per-layer diagnostics (one entry per row): its merge component's, if it has one."""
+        return self.merge.report(layer) if self.merge is not None else {}
+
     # -- statistics -----------------------------------------------------------------------------
     def stats_request(self, layer: CompressedLayer, n_query: int) -> StatsRequest | None:
         return None
@@ -95,6 +90,12 @@ class Method:
 
     def min_budget_reason(self) -> str:
         return f"{self.n_sinks} sinks + 1"
+
+    def check_budget(self, budget: Budget) -> None:
+        """Refuse, before any model runs, a token budget below what every layer must keep."""
+        if budget.tokens is not None and budget.tokens < self.min_layer_budget:
+            raise D2OError(f"budget {budget} leaves {budget.tokens} tokens per layer; {self.name} needs at least "
+                           f"{self.min_layer_budget} ({self.min_budget_reason()})")
 
     @property
     def reserved(self) -> int:

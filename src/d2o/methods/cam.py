@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from d2o.methods.base import Merge, check, register
+from d2o.engine.policy import Evicted, Merge
+from d2o.methods.base import check, register
 from d2o.methods.h2o import H2O
 
 
@@ -25,32 +26,40 @@ class ProminenceMerge:
     def __post_init__(self):
         check(self.span >= 1, "span", self.span, "must be at least 1")
 
-    def merge(self, layer, keep, keys, values, keep_valid, evict, evict_valid) -> torch.Tensor:
-        batch, heads, _ = evict.shape
-        merged = torch.zeros(batch, dtype=torch.long, device=keys.device)
-        prominence = layer.slot_state["mass"].sum(-1)  # (B, G, N)
+    def new_state(self) -> None:
+        return None
+
+    def report(self, layer) -> dict:
+        return {}
+
+    def merge(self, layer, evicted: Evicted) -> torch.Tensor:
+        values = layer.values
+        batch, heads, _ = evicted.token_index.shape
+        merged = torch.zeros(batch, dtype=torch.long, device=values.device)
+        kept_prominence = layer.slot_state["mass"].sum(-1)  # (B, G, K)
+        gone_prominence = evicted.slot_state["mass"].sum(-1)  # (B, G, E)
         for b in range(batch):
-            n_keep, n_evict = int(keep_valid[b].sum()), int(evict_valid[b].sum())
+            n_keep, n_evict = int(layer.n_kept[b]), int(evicted.valid[b].sum())
             if not n_evict or not n_keep:
                 continue
             draw = torch.Generator().manual_seed(
                 zlib.crc32(f"{self.seed}/{layer.layer_idx}/{int(layer.real_seen[b])}".encode()))
-            uniform = torch.rand((heads, n_evict), generator=draw).to(keys.device)
+            uniform = torch.rand((heads, n_evict), generator=draw).to(values.device)
             for g in range(heads):
-                kept_slots, gone_slots = keep[b, g, :n_keep], evict[b, g, :n_evict]
-                kept_tokens = layer.token_index[b, g, kept_slots]
+                # The kept tokens are the layer's first n_keep slots; the evicted ones come in slot order.
+                kept_tokens = layer.token_index[b, g, :n_keep]
                 order = kept_tokens.argsort()
-                first = torch.searchsorted(kept_tokens[order], layer.token_index[b, g, gone_slots])
-                targets = first[:, None] + torch.arange(self.span, device=keys.device)  # (E, span) in order
+                first = torch.searchsorted(kept_tokens[order], evicted.token_index[b, g, :n_evict])
+                targets = first[:, None] + torch.arange(self.span, device=values.device)  # (E, span) in order
                 reachable = targets < n_keep
-                targets = order[targets.clamp_max(n_keep - 1)]  # positions in `keep`
+                targets = order[targets.clamp_max(n_keep - 1)]  # slots of the kept tokens
                 weight = reachable.float()
-                target_prominence = prominence[b, g, kept_slots[targets]]
+                target_prominence = kept_prominence[b, g, targets]
                 mean = (target_prominence * weight).sum(-1) / weight.sum(-1).clamp_min(1)
-                ratio = torch.nan_to_num(prominence[b, g, gone_slots] / mean, nan=0.0, posinf=1.0).clamp(0, 1)
+                ratio = torch.nan_to_num(gone_prominence[b, g, :n_evict] / mean, nan=0.0, posinf=1.0).clamp(0, 1)
                 chosen = (uniform[g] < ratio) & reachable.any(-1)
                 share = (weight * chosen[:, None].float()) / weight.sum(-1, keepdim=True).clamp_min(1)
-                contribution = share[..., None] * layer.values[b, g, gone_slots][:, None, :].float()
+                contribution = share[..., None] * evicted.values[b, g, :n_evict][:, None, :].float()
                 values[b, g].index_add_(0, targets.flatten(), contribution.flatten(0, 1).to(values.dtype))
                 merged[b] += int(chosen.sum())
         return merged

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from d2o.engine.cache import UNLIMITED
+from d2o.budget import UNLIMITED
 from d2o.methods.base import Method, register
 
 

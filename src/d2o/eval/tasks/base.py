@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 from d2o.errors import D2OError
+from d2o.runtime.prompts import chat_text
 
 
 @dataclass
@@ -37,9 +38,17 @@ class Task:
     def score(self, prediction: str, sample: Sample) -> dict[str, float]:
         raise NotImplementedError
 
+    def encode(self, sample: Sample, tokenizer) -> list[int]:
+        """The sample's prompt as token ids."""
+        return tokenizer(sample.prompt, add_special_tokens=sample.special_tokens).input_ids
+
+    def run(self, runner, sample: Sample, ids: list[int], todo: list) -> list:
+        """Every run of ``todo`` on ``sample``: answered greedily, one prefill shared by the runs."""
+        return runner.answer(self, sample, ids, todo)
+
     def settings(self) -> dict:
         """The options that define the samples (recorded, and checked when a run resumes)."""
-        return {name: getattr(self, name) for name in self.__dataclass_fields__}
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 TASKS: dict[str, type[Task]] = {}
@@ -54,7 +63,7 @@ def get_task(name: str, **options) -> Task:
     if name not in TASKS:
         raise D2OError(f"unknown task {name!r}; choose one of: {', '.join(TASKS)}")
     cls = TASKS[name]
-    known = set(cls.__dataclass_fields__)
+    known = {f.name for f in fields(cls)}
     given = {k: v for k, v in options.items() if v is not None}
     unknown = sorted(set(given) - known)
     if unknown:
@@ -66,10 +75,8 @@ def get_task(name: str, **options) -> Task:
 def chat_prompt(tokenizer, prompt: str) -> tuple[str, bool]:
     """``prompt`` as a user turn of the model's chat template, if it has one; returns the text
     and whether the tokenizer should still add its special tokens (not when templated)."""
-    if not getattr(tokenizer, "chat_template", None):
-        return prompt, True
-    turn = [{"role": "user", "content": prompt}]
-    return tokenizer.apply_chat_template(turn, tokenize=False, add_generation_prompt=True), False
+    templated = chat_text(tokenizer, prompt)
+    return (prompt, True) if templated is None else (templated, False)
 
 
 def take(items: list, limit: int | None, seed: int) -> list:

@@ -1,8 +1,8 @@
 """LongBench (Bai et al. 2023), v1 format, from a folder of ``{dataset}.jsonl`` files.
 
-No LongBench data is reachable here: point ``--data-dir`` at LongBench's ``data`` folder. The
-per-dataset prompts, answer lengths, middle truncation, chat-template rule, first-line cut and
-metrics follow LongBench's ``pred.py``/``eval.py`` (restated; the prompts are the benchmark's
+No LongBench data is reachable here: point the ``data_dir`` option (``--task-option data_dir=DIR``)
+at LongBench's ``data`` folder. The per-dataset prompts, answer lengths, middle truncation,
+chat-template rule, first-line cut and metrics follow LongBench's ``pred.py``/``eval.py`` (restated; the prompts are the benchmark's
 own strings). Scores are in [0, 1] (LongBench prints them x100). The Chinese datasets are not
 supported: their metrics need jieba's word segmentation.
 """
@@ -115,7 +115,7 @@ class LongBench(Task):
     LongBench's setting for 4K-position models). ``--limit``: records per dataset."""
 
     name = "longbench"
-    summary = "LongBench (v1 JSONL from --data-dir), its prompts, truncation and official metrics"
+    summary = "LongBench (v1 JSONL from data_dir), its prompts, truncation and official metrics"
     metrics = ("score",)
 
     data_dir: str | None = None
@@ -124,7 +124,7 @@ class LongBench(Task):
 
     def __post_init__(self):
         if not self.data_dir:
-            raise D2OError("longbench needs --data-dir: a folder of LongBench {dataset}.jsonl files")
+            raise D2OError("longbench needs --task-option data_dir=DIR: a folder of LongBench {dataset}.jsonl files")
         folder = Path(self.data_dir)
         if not folder.is_dir():
             raise D2OError(f"LongBench data folder {self.data_dir!r} not found")

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
-
-import torch
 
 from d2o.budget import Budget
 from d2o.data import essays, read_text_file
-from d2o.engine.cache import CompressedCache
 from d2o.errors import D2OError
-from d2o.eval.tasks.base import Task, register_task
+from d2o.eval.tasks.base import Sample, Task, register_task
 
 
 @register_task
@@ -38,20 +36,37 @@ class Perplexity(Task):
             raise D2OError(f"perplexity needs chunk >= 1 and length >= 2 chunks, got chunk {self.chunk}, "
                            f"length {self.length}")
 
-    def tokens(self, tokenizer) -> torch.Tensor:
+    def samples(self, tokenizer, limit, seed):
+        return [Sample(f"perplexity-{self.length}", "", None, max_new_tokens=0, meta={"tokens": self.length})]
+
+    def encode(self, sample, tokenizer):
         source = read_text_file(self.text) if self.text else essays()
         ids = tokenizer(source, add_special_tokens=False).input_ids
         if len(ids) < self.length:
-            raise D2OError(f"the text has {len(ids)} tokens, fewer than --length {self.length}")
-        return torch.tensor([ids[: self.length]])
+            raise D2OError(f"the text has {len(ids)} tokens, fewer than length={self.length}")
+        return ids[: self.length]
 
     def cache_budget(self, budget: Budget) -> Budget:
         return Budget(tokens=max(1, round(budget.ratio * self.length))) if budget.ratio is not None else budget
 
-    def evaluate(self, model, tokens: torch.Tensor, method, budget: Budget) -> dict:
-        """Negative log-likelihood of every token after the first, and the per-window perplexity."""
-        cache = CompressedCache(model, method, self.cache_budget(budget))
+    def run(self, runner, sample, ids, todo):
+        from d2o.eval.runner import Outcome  # here, not at import: checking options must not wait for torch
+
+        outcomes = []
+        for run in todo:
+            start = time.perf_counter()
+            cache = runner.cache(run.method, self.cache_budget(run.budget))
+            perplexity, curve = self.evaluate(runner.model, ids, cache)
+            outcomes.append(Outcome(run, None, {"perplexity": perplexity}, cache.report(),
+                                    time.perf_counter() - start, None, extra={"curve": curve}))
+        return outcomes
+
+    def evaluate(self, model, ids: list[int], cache) -> tuple[float, list[float]]:
+        """Perplexity of every token after the first through ``cache``, and per ``window``."""
+        import torch
+
         device = next(model.parameters()).device
+        tokens = torch.tensor([ids])
         losses, previous = [], None
         with torch.inference_mode():
             for start in range(0, tokens.shape[1], self.chunk):
@@ -63,5 +78,7 @@ class Perplexity(Task):
                 previous = logits[-1]
         nll = torch.cat(losses).double()
         curve = [math.exp(part.mean().item()) for part in nll.split(self.window)]
-        report = cache.report()
-        return {"perplexity": math.exp(nll.mean().item()), "curve": curve, "report": report}
+        return math.exp(nll.mean().item()), curve
+
+    def score(self, prediction, sample):
+        raise D2OError("perplexity scores the text itself, not an answer")

@@ -17,12 +17,23 @@ from dataclasses import dataclass
 
 import torch
 
+from d2o.engine.policy import Evicted
 from d2o.engine.stats import CHUNK_ELEMENTS
+from d2o.engine.storage import RowState
 from d2o.errors import D2OError
 
 SIMILARITY_ON = ("key", "value")
 WEIGHTINGS = ("paper", "official")
 DECISIONS = ("per_head", "mean_over_heads")
+MERGES = "merges"  # slot state: evicted (token, KV head) pairs each kept slot has absorbed
+
+
+@dataclass
+class MergeState(RowState):
+    """Per layer: the merge threshold of each row (NaN before its first eviction) and its history."""
+
+    tau: torch.Tensor | None = None  # (B,)
+    tau_history: list[list[float]] | None = None  # per row, one value per eviction that evicted anything
 
 
 @dataclass
@@ -44,24 +55,37 @@ class SimilarityMerge:
             if value not in allowed:
                 raise D2OError(f"{name}={value!r} must be one of {', '.join(allowed)}")
 
-    def merge(self, layer, keep, keys, values, keep_valid, evict, evict_valid) -> torch.Tensor:
-        batch, heads, width = evict.shape
+    def new_state(self) -> MergeState:
+        return MergeState()
+
+    def report(self, layer) -> dict[str, list]:
+        state = layer.state
+        merges = layer.slot_state.get(MERGES)
+        most = merges.flatten(1).amax(-1).tolist() if merges is not None and merges.numel() else [0] * len(layer.merged)
+        return {"tau": state.tau_history or [[] for _ in most], "most_merges_in_a_slot": most}
+
+    def merge(self, layer, evicted: Evicted) -> torch.Tensor:
+        keys, values = layer.keys, layer.values
+        batch, heads, width = evicted.token_index.shape
         if width == 0:
             return torch.zeros(batch, dtype=torch.long, device=keys.device)
-        gone_keys, gone_values = layer.gather_kv(evict)
-        kept_basis, gone_basis = (keys, gone_keys) if self.on == "key" else (values, gone_values)
-        best, target = most_similar(gone_basis, kept_basis, keep_valid)  # (B, G, E)
-        gone = evict_valid[:, None, :]  # (B, 1, E)
+        kept_basis, gone_basis = (keys, evicted.keys) if self.on == "key" else (values, evicted.values)
+        best, target = most_similar(gone_basis, kept_basis, layer.valid)  # (B, G, E)
+        gone = evicted.valid[:, None, :]  # (B, 1, E)
 
         # One threshold per row: EMA of the mean best similarity over heads and evicted tokens.
-        count = evict_valid.sum(-1) * heads
+        count = evicted.valid.sum(-1) * heads
         mean_best = (best * gone).sum((1, 2)) / count.clamp_min(1)
-        previous = layer.layer_state.get("tau")
-        tau = mean_best if previous is None else self.alpha * previous + (1 - self.alpha) * mean_best
-        if previous is not None:
-            tau = torch.where(count > 0, tau, previous)
-        layer.layer_state["tau"] = tau
-        layer.layer_state.setdefault("tau_history", []).append(tau)
+        state = layer.state
+        previous = state.tau if state.tau is not None else torch.full_like(mean_best, math.nan)
+        tau = torch.where(previous.isnan(), mean_best, self.alpha * previous + (1 - self.alpha) * mean_best)
+        tau = torch.where(count > 0, tau, previous)  # a row that evicted nothing keeps its threshold
+        state.tau = tau
+        if state.tau_history is None:
+            state.tau_history = [[] for _ in range(batch)]
+        for history, value, evicting in zip(state.tau_history, tau.tolist(), (count > 0).tolist()):
+            if evicting:
+                history.append(value)
 
         if self.decision == "per_head":
             merged = (best >= tau[:, None, None]) & gone
@@ -78,19 +102,24 @@ class SimilarityMerge:
         denominator = torch.full(keys.shape[:3], self_weight, dtype=torch.float32, device=keys.device)
         counts = merged.float() if self.weighting == "official" else source_weight
         denominator.scatter_add_(2, target, counts)
-        for kept, sources in ((keys, gone_keys), (values, gone_values)):
+        for kept, sources in ((keys, evicted.keys), (values, evicted.values)):
             numerator = kept.float() * self_weight
             contribution = sources.float() * source_weight[..., None]
             numerator.scatter_add_(2, target[..., None].expand_as(contribution), contribution)
             kept.copy_(numerator / denominator[..., None])
+        absorbed = layer.slot_state.get(MERGES)
+        if absorbed is None:
+            absorbed = layer.slot_state[MERGES] = torch.zeros(keys.shape[:3], dtype=torch.int32, device=keys.device)
+        absorbed.scatter_add_(2, target, merged.int())
         return merged.sum((1, 2))
 
 
 def most_similar(sources: torch.Tensor, targets: torch.Tensor, target_valid: torch.Tensor):
-    """Best cosine similarity of each source (B, G, E, D) with a valid target (B, G, K, D), and its index."""
+    """Best cosine similarity of each source (B, G, E, D) with a valid target (B, G, K, D) (validity
+    per KV head, (B, G, K)), and its index."""
     sources = torch.nn.functional.normalize(sources.float(), dim=-1)
     targets_t = torch.nn.functional.normalize(targets.float(), dim=-1).transpose(-1, -2)
-    invalid = ~target_valid[:, None, None, :]
+    invalid = ~target_valid[:, :, None, :]
     batch, heads, n_sources, _ = sources.shape
     chunk = max(1, CHUNK_ELEMENTS // max(1, batch * heads * targets.shape[2]))
     best, index = [], []

@@ -16,11 +16,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from d2o.engine.cache import UNLIMITED
+from d2o.budget import UNLIMITED
+from d2o.engine.policy import Merge
 from d2o.errors import D2OError
 from d2o.methods.allocation import Allocation, ExponentialDecay, InverseVariance, Pyramid, Uniform, layer_density
-from d2o.methods.base import Merge, register, register_variant
-from d2o.methods.d2o.merging import SimilarityMerge
+from d2o.methods.base import register, register_variant
+from d2o.methods.d2o.merging import MergeState, SimilarityMerge
 from d2o.methods.h2o import H2O
 
 
@@ -37,6 +38,13 @@ class D2O(H2O):
     n_sinks: int = 4
     allocation: Allocation = field(default_factory=InverseVariance)
     merge: Merge | None = field(default_factory=SimilarityMerge)
+
+
+@dataclass
+class OfficialState(MergeState):
+    """The released code's per-layer state: its merge threshold, and each row's recent part."""
+
+    recent: torch.Tensor | None = None  # (B,) newest tokens kept, fixed at allocation
 
 
 @dataclass
@@ -60,6 +68,9 @@ class D2OOfficial(D2O):
         default_factory=lambda: SimilarityMerge(weighting="official", decision="mean_over_heads")
     )
 
+    def new_layer_state(self) -> OfficialState:
+        return OfficialState()
+
     def allocate(self, cache, totals: torch.Tensor) -> torch.Tensor:
         n_layers = cache.n_layers
         exempt = {index % n_layers for index in self.exempt_layers}
@@ -75,12 +86,12 @@ class D2OOfficial(D2O):
         for index in exempt:
             budgets[:, index] = UNLIMITED
         for i, layer in enumerate(cache.layers):
-            layer.layer_state["recent"] = recent_part[:, i]
+            layer.state.recent = recent_part[:, i]
         return budgets
 
     def protected(self, layer, target: torch.Tensor) -> torch.Tensor:
         index = layer.token_index
-        recent_from = layer.real_seen - torch.minimum(layer.layer_state["recent"], target - self.n_sinks)
+        recent_from = layer.real_seen - torch.minimum(layer.state.recent, target - self.n_sinks)
         return (index >= 0) & ((index < self.n_sinks) | (index >= recent_from[:, None, None]))
 
 

@@ -43,10 +43,12 @@ class _Namespace(MutableMapping):
 
 
 class _View:
-    """A layer (or cache) as method i sees it: everything shared but its slot state."""
+    """A layer (or cache) as method i sees it while observing: everything shared but its slot
+    state (no method keeps per-layer state before it compresses, which is after the fork)."""
 
     def __init__(self, target, prefix: str):
         self._target, self._prefix = target, prefix
+        self.state = None
         if hasattr(target, "slot_state"):
             self.slot_state = _Namespace(target.slot_state, prefix)
         if hasattr(target, "layers"):
@@ -69,22 +71,23 @@ class _Observers(Method):
         super().__post_init__()
         self.needs_surprisal = any(m.needs_surprisal for m in self.methods)
 
+    def requests(self, layer, n_query: int) -> list[StatsRequest | None]:
+        return [m.stats_request(_View(layer, f"{i}/"), n_query) for i, m in enumerate(self.methods)]
+
     def stats_request(self, layer, n_query: int) -> StatsRequest | None:
-        requests = [m.stats_request(_View(layer, f"{i}/"), n_query) for i, m in enumerate(self.methods)]
-        layer.layer_state["requests"] = requests  # what `observe` hands each method, this pass
-        asked = [r for r in requests if r is not None]
+        asked = [r for r in self.requests(layer, n_query) if r is not None]
         if not asked:
             return None
         return StatsRequest(column_mass=any(r.column_mass for r in asked), window=max(r.window for r in asked))
 
     def observe(self, layer, stats: AttentionStats) -> None:
-        for i, (method, request) in enumerate(zip(self.methods, layer.layer_state["requests"])):
+        for i, (method, request) in enumerate(zip(self.methods, self.requests(layer, stats.n_query))):
             if request is None:
                 continue
             window = stats.window[..., stats.window.shape[-2] - min(request.window, stats.window.shape[-2]) :, :] \
                 if request.window else None
             mass = stats.column_mass if request.column_mass else None
-            method.observe(_View(layer, f"{i}/"), AttentionStats(column_mass=mass, window=window))
+            method.observe(_View(layer, f"{i}/"), AttentionStats(stats.n_query, column_mass=mass, window=window))
 
     def observe_tokens(self, cache, surprisal: torch.Tensor) -> None:
         for i, method in enumerate(self.methods):

@@ -1,0 +1,84 @@
+"""What the engine asks of a compression method: the ``Policy`` interface (no method lives here).
+
+The cache calls, in order: ``stats_request`` and ``observe`` in every attention call (which
+statistics to compute, and folding them into per-slot state); ``observe_tokens`` after a pass, if
+the policy scores by surprisal; ``allocate`` once, when compression starts (each layer's budget per
+row); then for every layer over its budget ``score`` and ``protected`` (which slots to keep) and,
+if the policy has a ``merge``, ``merge.merge`` (what becomes of the evicted tokens). ``report``
+adds the policy's own per-layer diagnostics to the cache's report.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from d2o.engine.cache import CompressedCache
+    from d2o.engine.stats import AttentionStats, StatsRequest
+    from d2o.engine.storage import CompressedLayer, RowState
+
+
+@dataclass
+class Evicted:
+    """Tokens leaving a layer, per row and KV head, as they were stored (copies).
+
+    ``keys``/``values`` (B, G, E, D), ``token_index`` (B, G, E), ``valid`` (B, E): every KV head of
+    a row evicts as many tokens, and row b's entries past its count are padding; ``slot_state``:
+    the per-slot method state of those tokens, (B, G, E, ...).
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    token_index: torch.Tensor
+    valid: torch.Tensor
+    slot_state: dict[str, torch.Tensor]
+
+
+class Merge(Protocol):
+    """What happens to evicted tokens: folded into the layer's kept slots instead of being dropped."""
+
+    def new_state(self) -> RowState | None:
+        """Per-layer state of a new cache (e.g. a merge threshold per row)."""
+
+    def report(self, layer: CompressedLayer) -> dict[str, list[Any]]:
+        """Per-layer diagnostics, one entry per row."""
+
+    def merge(self, layer: CompressedLayer, evicted: Evicted) -> torch.Tensor:
+        """Fold ``evicted`` into the kept slots of ``layer`` (its keys, values and slot state are
+        the kept tokens only, modified in place); return how many (token, KV head) pairs were
+        merged, per row (B,)."""
+
+
+class Policy(Protocol):
+    """A compression method as the engine sees it (``d2o.methods.Method`` implements it)."""
+
+    name: str
+    compress_after_forward: int  # compression starts after this many forward passes (1: the prefill)
+    evicts_during_decode: bool  # False: compress once, then let the cache grow
+    needs_surprisal: bool  # True: the engine computes every new token's surprisal for ``observe_tokens``
+    repeats_kv_heads: bool  # True: KV heads stored once per query head (the released D2O code's storage)
+    merge: Merge | None
+
+    def new_layer_state(self) -> RowState | None:
+        """The method's own per-layer state for a new cache (None if it keeps none)."""
+
+    def stats_request(self, layer: CompressedLayer, n_query: int) -> StatsRequest | None: ...
+
+    def observe(self, layer: CompressedLayer, stats: AttentionStats) -> None: ...
+
+    def observe_tokens(self, cache: CompressedCache, surprisal: torch.Tensor) -> None: ...
+
+    def allocate(self, cache: CompressedCache, totals: torch.Tensor) -> torch.Tensor:
+        """Per-row, per-layer budgets (B, L) (``UNLIMITED``: never evict) summing to ``totals`` (B,)."""
+
+    def score(self, layer: CompressedLayer) -> torch.Tensor:
+        """(B, G, N) scores, higher = keep."""
+
+    def protected(self, layer: CompressedLayer, target: torch.Tensor) -> torch.Tensor:
+        """(B, G, N) bool: slots kept whatever their score when the layer keeps ``target`` (B,)."""
+
+    def report(self, layer: CompressedLayer) -> dict[str, Any]:
+        """Per-layer diagnostics, each value a list with one entry per row."""

@@ -1,0 +1,119 @@
+"""What a compressed cache holds, per layer and in total, against the full cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class LayerReport:
+    """What one layer holds after a run (per row of the batch, except bytes)."""
+
+    layer: int
+    budget: list[int | None]  # None: not compressed (not yet allocated, or an exempt layer)
+    kept: list[int]
+    full: list[int]  # real tokens seen: what an uncompressed cache would hold
+    merged: list[int]
+    kv_bytes: int
+    kv_bytes_full: int
+    state_bytes: int  # token indices and method state kept per slot, beside the keys and values
+    method: dict[str, list[Any]] = field(default_factory=dict)  # the method's own diagnostics, per row
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+PER_ROW = ("budget", "kept", "full", "merged")
+BYTES = ("kv_bytes", "kv_bytes_full", "state_bytes")
+
+
+@dataclass
+class CacheReport:
+    """Per-layer and total memory of a compressed cache, against the full cache."""
+
+    method: str
+    budget: str | None  # None: the method keeps everything (no budget held it)
+    layers: list[LayerReport]
+
+    @classmethod
+    def concat(cls, reports: list[CacheReport]) -> CacheReport:
+        """One report for the rows of several (rows of one batch, reported as each finished)."""
+        first = reports[0]
+        layers = []
+        for parts in zip(*(report.layers for report in reports)):
+            merged = {name: [v for part in parts for v in part.method[name]] for name in parts[0].method}
+            layers.append(LayerReport(
+                layer=parts[0].layer,
+                **{name: [v for part in parts for v in getattr(part, name)] for name in PER_ROW},
+                **{name: sum(getattr(part, name) for part in parts) for name in BYTES},
+                method=merged,
+            ))
+        return cls(method=first.method, budget=first.budget, layers=layers)
+
+    @property
+    def kv_tokens_kept(self) -> int:
+        return sum(sum(layer.kept) for layer in self.layers)
+
+    @property
+    def kv_tokens_full(self) -> int:
+        return sum(sum(layer.full) for layer in self.layers)
+
+    @property
+    def kv_bytes(self) -> int:
+        return sum(layer.kv_bytes for layer in self.layers)
+
+    @property
+    def kv_bytes_full(self) -> int:
+        return sum(layer.kv_bytes_full for layer in self.layers)
+
+    @property
+    def state_bytes(self) -> int:
+        return sum(layer.state_bytes for layer in self.layers)
+
+    @property
+    def layer_budgets(self) -> list[int | None]:
+        """Per-layer budget of the first row (the only row for a single prompt)."""
+        return [layer.budget[0] if layer.budget else None for layer in self.layers]
+
+    def as_dict(self) -> dict:
+        return {
+            "method": self.method,
+            "budget": self.budget,
+            "kv_tokens_kept": self.kv_tokens_kept,
+            "kv_tokens_full": self.kv_tokens_full,
+            "kv_bytes": self.kv_bytes,
+            "kv_bytes_full": self.kv_bytes_full,
+            "state_bytes": self.state_bytes,
+            "layer_budgets": self.layer_budgets,
+            "layers": [layer.as_dict() for layer in self.layers],
+        }
+
+    def summary(self) -> str:
+        """One line: what was held, against the full cache."""
+        held = self.method if self.budget is None else f"{self.method} at {self.budget}"
+        return (f"{held}: {self.kv_tokens_kept} of {self.kv_tokens_full} KV tokens, "
+                f"{self.kv_bytes / 2**20:.2f} of {self.kv_bytes_full / 2**20:.2f} MiB")
+
+    def table(self) -> str:
+        """A plain-text per-layer table (first row of the batch), with the method's diagnostics."""
+        lines = [f"{'layer':>5} {'budget':>7} {'kept':>6} {'full':>6} {'merged':>7} {'KV bytes':>10}  method"]
+        for layer in self.layers:
+            budget = layer.budget[0] if layer.budget and layer.budget[0] is not None else "-"
+            details = "  ".join(f"{name} {_brief(values[0])}" for name, values in layer.method.items() if values)
+            lines.append(
+                f"{layer.layer:>5} {budget!s:>7} {layer.kept[0]:>6} {layer.full[0]:>6} {layer.merged[0]:>7} "
+                f"{layer.kv_bytes:>10}  {details}"
+            )
+        lines.append(
+            f"total: {self.kv_tokens_kept} of {self.kv_tokens_full} KV tokens, "
+            f"{self.kv_bytes} of {self.kv_bytes_full} bytes ({self.kv_bytes / max(self.kv_bytes_full, 1):.1%})"
+        )
+        return "\n".join(lines)
+
+
+def _brief(value) -> str:
+    if isinstance(value, list):
+        shown = " ".join(_brief(v) for v in value[:3])
+        return shown + (" ..." if len(value) > 3 else "")
+    return f"{value:.3f}" if isinstance(value, float) else str(value)

@@ -1,0 +1,58 @@
+"""Which slots a layer keeps: pure tensor functions over (batch, kv_heads, slots) scores.
+
+The cache asks its method for scores and protected slots, and these functions turn them into
+slot indices: the kept ones, the evicted ones, and copies of the slots' contents.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def select_kept(
+    scores: torch.Tensor, protected: torch.Tensor, token_index: torch.Tensor, target: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row and KV head, the ``target[b]`` highest-scoring valid slots, protected ones first.
+
+    ``scores``, ``protected`` and ``token_index`` are (B, G, N), ``target`` (B,). Equal scores
+    (max pooling makes plateaus) go to the newer token, so where a token sits in storage never
+    changes the choice. Returns slot indices (B, G, K) in increasing slot order, K = max(target),
+    and (B, K) validity: row b's entries past ``target[b]`` are padding.
+    """
+    n_slots = scores.shape[-1]
+    ranked = scores.masked_fill(protected, float("inf")).masked_fill(token_index < 0, float("-inf"))
+    newest_first = token_index.argsort(dim=-1, descending=True)
+    order = ranked.gather(-1, newest_first).argsort(dim=-1, descending=True, stable=True)
+    width = int(target.max())
+    top = newest_first.gather(-1, order[..., :width])
+    keep_valid = torch.arange(width, device=scores.device)[None, :] < target[:, None]
+    keep = top.masked_fill(~keep_valid[:, None, :], n_slots).sort(dim=-1).values.clamp_max(n_slots - 1)
+    return keep, keep_valid
+
+
+def evicted_slots(
+    valid: torch.Tensor, keep: torch.Tensor, keep_valid: torch.Tensor, target: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The valid slots (``valid``: B, G, N) that ``keep`` leaves out, in slot order: indices
+    (B, G, E) and (B, E) validity (every KV head of a row evicts as many)."""
+    batch, heads, _ = keep.shape
+    kept = torch.zeros((batch, heads, valid.shape[-1]), dtype=torch.bool, device=valid.device)
+    kept.scatter_(2, keep, keep_valid[:, None, :].expand_as(keep))
+    evicted = valid & ~kept
+    count = valid[:, 0].sum(-1) - target
+    width = int(count.max())
+    order = evicted.to(torch.int8).sort(dim=-1, descending=True, stable=True).indices[..., :width]
+    evict_valid = torch.arange(width, device=valid.device)[None, :] < count[:, None]
+    return order, evict_valid
+
+
+def take_slots(tensor: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (B, G, N, ...) at ``slots`` (B, G, K) per row and head: a copy (B, G, K, ...).
+
+    One ``index_select`` over flattened (row, head, slot) rows copies each slot's trailing
+    values as a block; ``gather`` would need an index as large as the result.
+    """
+    batch, heads, n_slots = tensor.shape[:3]
+    offsets = torch.arange(batch * heads, device=slots.device).view(batch, heads, 1) * n_slots
+    rows = tensor.reshape(batch * heads * n_slots, -1).index_select(0, (slots + offsets).flatten())
+    return rows.view(*slots.shape, *tensor.shape[3:])

@@ -1,0 +1,263 @@
+"""Per-layer KV storage that really shrinks: slots of keys and values and what moves with them.
+
+A layer stores keys and values as ``(batch, kv_heads, slots, head_dim)`` (KV heads are never
+repeated) plus, for every slot and KV head, the index of the token it holds among its row's real
+tokens (``-1`` marks an empty slot: left padding, or the unused tail of a row whose budget is
+smaller than its neighbour's). Slots need not be in token order: keys are cached after RoPE, so a
+kept token carries its true position with it, and the attention hook masks by slot validity,
+never by slot position. Methods keep per-slot state (accumulated attention, ...) in
+``slot_state``, which moves with the slots, and per-layer state in ``state`` (a ``RowState``).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from d2o.engine.policy import Evicted
+from d2o.engine.selection import take_slots
+from d2o.errors import D2OError
+
+if TYPE_CHECKING:
+    from d2o.engine.cache import CompressedCache
+
+# The attention function of transformers does not receive the cache. A layer's `update` is always
+# followed, in the same thread, by that layer's attention call on the very tensors `update`
+# returned: `update` leaves its layer here and the hook claims it (see `claim_active_layer`).
+_active = threading.local()
+
+
+def claim_active_layer(key: torch.Tensor) -> CompressedLayer | None:
+    """The compressed layer whose ``update`` returned ``key``, or None if the cache is not d2o's."""
+    layer = getattr(_active, "layer", None)
+    _active.layer = None
+    if layer is None or layer.keys is not key:
+        return None
+    return layer
+
+
+@dataclass
+class RowState:
+    """Base of a method's per-layer state, whose fields hold one entry per row of the batch.
+
+    A tensor field is (batch, ...); a list field holds one item per row (a row's history, say).
+    Selecting rows (a finished request leaves) and joining caches (a request joins a running
+    batch) map every field that way, so a method's state needs no code of its own for either.
+    """
+
+    def map_rows(self, fn, pick) -> RowState:
+        """``fn`` applied to tensor fields, ``pick`` (a function of a list) to list fields."""
+        return replace(self, **{f.name: _map_field(getattr(self, f.name), fn, pick) for f in fields(self)})
+
+    @classmethod
+    def concat(cls, states: list[RowState], rows: list[int]) -> RowState:
+        """The states of caches of ``rows`` rows each, one after the other. A field a cache has
+        not set yet (None) stands for NaN in its rows (a tensor field) or empty lists (a list field)."""
+        joined = {}
+        for f in fields(cls):
+            parts = [getattr(state, f.name) for state in states]
+            example = next((part for part in parts if part is not None), None)
+            if isinstance(example, torch.Tensor):
+                joined[f.name] = torch.cat([
+                    part if part is not None else example.new_full((n, *example.shape[1:]), math.nan)
+                    for part, n in zip(parts, rows)
+                ])
+            elif isinstance(example, list):
+                joined[f.name] = [item for part, n in zip(parts, rows)
+                                  for item in (part if part is not None else [[] for _ in range(n)])]
+            else:
+                joined[f.name] = example
+        return cls(**joined)
+
+
+def _map_field(value, fn, pick):
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, list):
+        return pick(value)
+    return value
+
+
+class CompressedLayer(CacheLayerMixin):
+    """One layer's KV storage: keys, values, per-slot token indices and method state."""
+
+    is_croppable = False  # eviction cannot be undone, so assisted decoding's rollback cannot work
+    is_sliding = False
+
+    def __init__(self, cache: CompressedCache, layer_idx: int):
+        super().__init__()
+        self.cache = cache
+        self.layer_idx = layer_idx
+        self._clear()
+
+    def _clear(self) -> None:
+        self.keys = self.values = None
+        self.is_initialized = False
+        self.token_index: torch.Tensor | None = None  # (B, G, N) int64, -1 = empty slot
+        # Method state that moves with the slots, each (B, G, N, ...): gathered on eviction,
+        # zero-initialised for new tokens.
+        self.slot_state: dict[str, torch.Tensor] = {}
+        # Method state for the layer as a whole (e.g. D2O's merge threshold per row).
+        self.state = self.cache.policy.new_layer_state() if self.cache is not None else None
+        self.seen = 0  # tokens fed, padding included: the offset transformers counts positions from
+        self.real_seen: torch.Tensor | None = None  # (B,) real tokens fed per row
+        self.budget: torch.Tensor | None = None  # (B,) slots this layer may keep per row, once allocated
+        self.merged: torch.Tensor | None = None  # (B,) evicted (token, KV head) pairs merged so far
+        self.pending = 0  # tokens appended by `update` that the attention hook has not admitted yet
+
+    # -- transformers' layer interface --------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        batch, heads, _, dim = key_states.shape
+        self.device = key_states.device
+        self.keys = key_states.new_empty((batch, heads, 0, dim))
+        self.values = value_states.new_empty((batch, heads, 0, value_states.shape[-1]))
+        self.token_index = torch.empty((batch, heads, 0), dtype=torch.long, device=self.device)
+        self.real_seen = torch.zeros(batch, dtype=torch.long, device=self.device)
+        self.merged = torch.zeros(batch, dtype=torch.long, device=self.device)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.pending:
+            raise D2OError(
+                "the model's attention is not d2o's hook: call d2o.install(model) (d2o.load_model does it) "
+                "before running it with a compressed cache"
+            )
+        if self.cache.kv_repeats > 1:  # the released D2O's storage: one copy of each KV head per query head
+            key_states = key_states.repeat_interleave(self.cache.kv_repeats, dim=1)
+            value_states = value_states.repeat_interleave(self.cache.kv_repeats, dim=1)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.keys = torch.cat([self.keys, key_states], dim=-2)
+        self.values = torch.cat([self.values, value_states], dim=-2)
+        self.pending = key_states.shape[-2]
+        _active.layer = self
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        # Tokens seen, not kept: the model derives positions from it and `generate` decides from it
+        # which input tokens are new.
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        stored = 0 if self.keys is None else self.keys.shape[-2]
+        return stored + query_length, self.seen - stored
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self._clear()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise D2OError("a compressed cache cannot be cropped: evicted tokens are gone (assisted decoding needs crop)")
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep (or repeat, or reorder) the rows ``index`` (1-D) of every per-row tensor and state."""
+        if not self.is_initialized:
+            return
+        index = torch.as_tensor(index, dtype=torch.long, device=self.keys.device)
+        rows = index.tolist()
+
+        def fn(tensor: torch.Tensor) -> torch.Tensor:
+            return tensor.index_select(0, index)
+
+        self.keys, self.values, self.token_index = fn(self.keys), fn(self.values), fn(self.token_index)
+        self.real_seen, self.merged = fn(self.real_seen), fn(self.merged)
+        if self.budget is not None:
+            self.budget = fn(self.budget)
+        self.slot_state = {name: fn(t) for name, t in self.slot_state.items()}
+        if self.state is not None:
+            self.state = self.state.map_rows(fn, lambda items: [items[row] for row in rows])
+
+    def join(self, others: list[CompressedLayer]) -> None:
+        """Append the rows of ``others`` (layers of caches of the same policy) to this layer's;
+        storage is padded with empty slots to the widest."""
+        layers = [self, *others]
+        rows = [layer.keys.shape[0] for layer in layers]
+        width = max(layer.keys.shape[2] for layer in layers)
+
+        def padded(tensor: torch.Tensor, fill) -> torch.Tensor:
+            missing = width - tensor.shape[2]
+            if not missing:
+                return tensor
+            return torch.cat([tensor, tensor.new_full((*tensor.shape[:2], missing, *tensor.shape[3:]), fill)], dim=2)
+
+        self.keys = torch.cat([padded(layer.keys, 0) for layer in layers])
+        self.values = torch.cat([padded(layer.values, 0) for layer in layers])
+        self.token_index = torch.cat([padded(layer.token_index, -1) for layer in layers])
+        self.slot_state = {name: torch.cat([padded(layer.slot_state[name], 0) for layer in layers])
+                           for name in self.slot_state}
+        self.real_seen = torch.cat([layer.real_seen for layer in layers])
+        self.merged = torch.cat([layer.merged for layer in layers])
+        if self.budget is not None:
+            self.budget = torch.cat([layer.budget for layer in layers])
+        if self.state is not None:
+            self.state = type(self.state).concat([layer.state for layer in layers], rows)
+        self.seen = max(layer.seen for layer in layers)
+
+    # -- what the attention hook and the methods use --------------------------------------------
+    def admit(self, new_valid: torch.Tensor) -> None:
+        """Record the tokens ``update`` appended: ``new_valid`` (B, q) is False for padding."""
+        q = self.pending
+        batch, heads = self.keys.shape[:2]
+        index = self.real_seen[:, None] + new_valid.long().cumsum(-1) - 1
+        index = index.masked_fill(~new_valid, -1)
+        self.token_index = torch.cat([self.token_index, index[:, None, :].expand(batch, heads, q)], dim=2)
+        self.real_seen = self.real_seen + new_valid.sum(-1)
+        self.seen += q
+        for name, state in self.slot_state.items():
+            fresh = state.new_zeros((*state.shape[:2], q, *state.shape[3:]))
+            self.slot_state[name] = torch.cat([state, fresh], dim=2)
+        self.pending = 0
+
+    @property
+    def valid(self) -> torch.Tensor:
+        """(B, G, N) bool: which slots hold a token, per KV head."""
+        return self.token_index >= 0
+
+    @property
+    def n_kept(self) -> torch.Tensor:
+        """(B,) tokens held per row (every KV head of a row holds as many)."""
+        return (self.token_index[:, 0] >= 0).sum(-1)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the stored keys and values (empty slots of a padded batch included)."""
+        if not self.is_initialized:
+            return 0
+        return self.keys.nbytes + self.values.nbytes
+
+    @property
+    def state_nbytes(self) -> int:
+        """Bytes of the per-slot bookkeeping: token indices and method state."""
+        if not self.is_initialized:
+            return 0
+        return self.token_index.nbytes + sum(state.nbytes for state in self.slot_state.values())
+
+    def evicted(self, slots: torch.Tensor, valid: torch.Tensor) -> Evicted:
+        """Copies of what the slots (B, G, E) hold, before they are evicted; ``valid`` (B, E)."""
+        return Evicted(
+            keys=take_slots(self.keys, slots),
+            values=take_slots(self.values, slots),
+            token_index=self.token_index.gather(2, slots),
+            valid=valid,
+            slot_state={name: take_slots(state, slots) for name, state in self.slot_state.items()},
+        )
+
+    def keep(self, keep: torch.Tensor, keep_valid: torch.Tensor) -> None:
+        """Shrink to the slots ``keep`` (B, G, K), gathered into new tensors; ``keep_valid`` (B, K)
+        marks the real ones (rows of a batch with smaller budgets have an empty tail)."""
+        keys, values = take_slots(self.keys, keep), take_slots(self.values, keep)
+        self.token_index = self.token_index.gather(2, keep)
+        if not bool(keep_valid.all()):
+            empty = ~keep_valid[:, None, :]
+            keys.masked_fill_(empty[..., None], 0)
+            values.masked_fill_(empty[..., None], 0)
+            self.token_index.masked_fill_(empty, -1)
+        self.keys, self.values = keys, values
+        self.slot_state = {name: take_slots(state, keep) for name, state in self.slot_state.items()}

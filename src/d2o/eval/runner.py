@@ -1,0 +1,84 @@
+"""Running one sample under several (method, budget) runs: one prefill shared where it can be.
+
+Each sample's prompt is prefilled once under a cache that records what every method observes
+(``SharedPrefill``); each method and budget then compresses its own fork of that prefill and
+decodes greedily through the library's one decoding path.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from d2o.budget import Budget
+from d2o.engine.cache import CompressedCache
+from d2o.engine.report import CacheReport
+from d2o.methods.base import Method
+from d2o.runtime.decoding import Batch, Sequence
+from d2o.runtime.prompts import stop_token_ids
+from d2o.runtime.sharing import SharedPrefill
+
+
+@dataclass(frozen=True)
+class Run:
+    """One method at one budget (the full cache runs once, at budget 1)."""
+
+    method: str
+    budget: Budget
+
+
+@dataclass
+class Outcome:
+    """What one run made of one sample."""
+
+    run: Run
+    prediction: str | None
+    scores: dict[str, float]
+    report: CacheReport
+    seconds: float
+    prefill_seconds: float | None
+    extra: dict = field(default_factory=dict)  # task-specific fields of the result line
+
+
+class Runner:
+    """A model, its tokenizer and the methods of a sweep; answers samples run by run."""
+
+    def __init__(self, model, tokenizer, methods: dict[str, Method], shared_prefill: bool = True):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.methods = methods
+        self.shared_prefill = shared_prefill
+        self.stop_ids = stop_token_ids(model, tokenizer)
+
+    def cache(self, method: str, budget: Budget) -> CompressedCache:
+        return CompressedCache(self.model, self.methods[method], budget)
+
+    def answer(self, task, sample, ids: list[int], todo: list[Run]) -> list[Outcome]:
+        """Every run of ``todo`` answers ``sample`` (greedy); one prefill shared where methods allow."""
+        shareable = [name for name in dict.fromkeys(run.method for run in todo)
+                     if not self.methods[name].repeats_kv_heads]
+        prefill = None
+        if self.shared_prefill and shareable:
+            prefill = SharedPrefill(self.model, [self.methods[name] for name in shareable])
+            shared = self._prefill(prefill.cache, ids, sample)
+        outcomes = []
+        for run in todo:
+            start = time.perf_counter()
+            if prefill is not None and run.method in shareable:
+                cache = prefill.fork(shareable.index(run.method), run.budget)
+                batch = Batch(self.model, cache, [self._sequence(sample)], shared.logits, shared.positions)
+                prefill_seconds = shared.sequences[0].prefill_seconds
+            else:
+                batch = self._prefill(self.cache(run.method, run.budget), ids, sample)
+                prefill_seconds = batch.sequences[0].prefill_seconds
+            sequence = batch.run()[0]
+            text = sequence.text.strip()
+            outcomes.append(Outcome(run, text, task.score(text, sample), sequence.report,
+                                    time.perf_counter() - start, prefill_seconds))
+        return outcomes
+
+    def _sequence(self, sample) -> Sequence:
+        return Sequence(self.tokenizer, sample.max_new_tokens, stop_ids=self.stop_ids, stop_strings=sample.stop)
+
+    def _prefill(self, cache, ids: list[int], sample) -> Batch:
+        return Batch.prefill(self.model, cache, [ids], [self._sequence(sample)])

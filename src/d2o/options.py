@@ -1,0 +1,48 @@
+"""``NAME=VALUE`` options from the command line (method, task and component options), typed."""
+
+from __future__ import annotations
+
+from d2o.errors import D2OError
+
+
+def parse_options(pairs: list[str], flag: str = "--option") -> dict:
+    """``["split=3:1", "alpha=0.3"]`` -> ``{"split": (3, 1), "alpha": 0.3}`` (dashes in names become _)."""
+    options = {}
+    for pair in pairs:
+        name, sep, text = pair.partition("=")
+        if not sep or not name.strip():
+            raise D2OError(f"{flag} {pair!r}: expected NAME=VALUE")
+        options[name.strip().replace("-", "_")] = parse_value(text.strip())
+    return options
+
+
+def parse_value(text: str):
+    """A tuple for ``a:b`` or ``a,b``; then bool, None, int, float; else the text itself."""
+    if ":" in text or "," in text:
+        return tuple(parse_value(part) for part in text.replace(":", ",").split(",") if part)
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered == "none":
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def split_list(text: str | None, kind=str) -> tuple | None:
+    """``"500,1000"`` -> ``(500, 1000)``; None stays None; a bad item names itself."""
+    if text is None:
+        return None
+    items = []
+    for item in (v.strip() for v in text.split(",")):
+        if not item:
+            continue
+        try:
+            items.append(kind(item))
+        except ValueError:
+            raise D2OError(f"{item!r} in {text!r} is not a {kind.__name__}") from None
+    return tuple(items)

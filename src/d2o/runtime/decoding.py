@@ -1,0 +1,222 @@
+"""One decoding path for every command: a prefill, then one token per row per step.
+
+A ``Sequence`` is one row being generated: how it picks tokens (``Sampling``), when it ends (stop
+tokens, stop strings, a length), what it has produced and how long that took. A ``Batch`` is rows
+decoding together on one cache: ``step()`` picks every row's next token, lets finished rows leave
+(their cache rows go with them) and feeds the others' tokens in one forward pass; ``join`` lets
+new rows in between steps. ``generate``, the evaluation, the benchmarks, the demo and the server
+all decode through it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from d2o.errors import D2OError
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a row picks its next token: greedy when ``temperature`` is 0, else sampling from the
+    softmax at that temperature within the nucleus ``top_p``, from its own generator (``seed``),
+    so a row draws the same tokens whatever batch it runs in."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self):
+        if not self.temperature >= 0.0:
+            raise D2OError(f"temperature={self.temperature!r} must be >= 0 (0: greedy)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise D2OError(f"top_p={self.top_p!r} must be in (0, 1]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class Sequence:
+    """One row: its tokens so far and the rules that pick and stop them.
+
+    Stop strings end the answer once it has begun (leading white space is not an answer) and are
+    not part of its ``text``; a stop token ends it and is not part of its ``tokens``.
+    """
+
+    def __init__(self, tokenizer, max_new_tokens: int, sampling: Sampling = Sampling(),
+                 stop_ids: frozenset[int] = frozenset(), stop_strings: tuple[str, ...] = (), prompt_tokens: int = 0):
+        if max_new_tokens < 1:
+            raise D2OError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        self.tokenizer = tokenizer
+        self.max_new_tokens = max_new_tokens
+        self.sampling = sampling
+        self.stop_ids = stop_ids
+        self.stop_strings = tuple(s for s in stop_strings if s)
+        self.prompt_tokens = prompt_tokens
+        self.tokens: list[int] = []
+        self.finish_reason: str | None = None  # "stop" or "length" once finished
+        self.prefill_seconds = 0.0
+        self.decode_seconds = 0.0
+        self.report = None  # what its cache row held when it finished (a d2o cache's report)
+        self._generator = None
+        if not sampling.greedy:
+            self._generator = torch.Generator()
+            self._generator.manual_seed(sampling.seed if sampling.seed is not None
+                                        else int(torch.randint(0, 2**62, (1,)).item()))
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def choose(self, logits: torch.Tensor) -> int:
+        """The next token from the next-token ``logits`` (vocab,)."""
+        if self._generator is None:
+            return int(logits.argmax())
+        probs = torch.softmax(logits.float() / self.sampling.temperature, dim=-1).cpu()
+        if self.sampling.top_p < 1.0:
+            sorted_probs, order = probs.sort(descending=True)
+            outside = sorted_probs.cumsum(-1) - sorted_probs >= self.sampling.top_p  # the first always stays
+            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs.masked_fill(outside, 0.0))
+        return int(torch.multinomial(probs, 1, generator=self._generator))
+
+    def push(self, token: int) -> bool:
+        """Record ``token``; True when the sequence is finished (then the token is not fed back)."""
+        if token in self.stop_ids:
+            self.finish_reason = "stop"
+            return True
+        self.tokens.append(token)
+        if self.stop_strings and self._stop_at() is not None:
+            self.finish_reason = "stop"
+        elif len(self.tokens) >= self.max_new_tokens:
+            self.finish_reason = "length"
+        return self.finished
+
+    @property
+    def raw_text(self) -> str:
+        return self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+
+    @property
+    def text(self) -> str:
+        """The answer: the decoded tokens up to the first stop string."""
+        raw = self.raw_text
+        cut = self._stop_at(raw)
+        return raw if cut is None else raw[:cut]
+
+    def _stop_at(self, raw: str | None = None) -> int | None:
+        raw = self.raw_text if raw is None else raw
+        begun = len(raw) - len(raw.lstrip())
+        found = [i for i in (raw.find(stop, begun) for stop in self.stop_strings) if i >= 0]
+        return min(found) if found else None
+
+
+class Batch:
+    """Rows decoding together on one cache; ``logits`` (B, vocab) are each row's next-token logits.
+
+    Works on a ``CompressedCache`` (rows of any length, left-padded) or, for unpadded rows, on a
+    plain transformers cache (the stock baseline of the benchmarks).
+    """
+
+    def __init__(self, model, cache, sequences: list[Sequence], logits: torch.Tensor, positions: torch.Tensor):
+        self.model = model
+        self.cache = cache
+        self.sequences = list(sequences)
+        self.logits = logits
+        self.positions = positions  # (B,) the position of each row's next token: its real tokens so far
+        self.step_seconds: list[float] = []
+
+    @classmethod
+    def prefill(cls, model, cache, prompts: list[list[int]], sequences: list[Sequence]) -> Batch:
+        """Run the prompts' token ids, left-padded into one batch, through ``model`` into ``cache``."""
+        device = next(model.parameters()).device
+        input_ids, mask = left_pad(prompts)
+        padded = not bool(mask.all())
+        if padded and not hasattr(cache, "policy"):
+            raise D2OError("a batch of prompts of different lengths needs a d2o CompressedCache")
+        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            logits = model(input_ids=input_ids.to(device), attention_mask=mask.to(device) if padded else None,
+                           position_ids=positions.to(device), cache=cache, logits_to_keep=1).logits[:, -1]
+        seconds = _synchronized(start, device)
+        for sequence, length in zip(sequences, mask.sum(-1).tolist()):
+            sequence.prefill_seconds = seconds
+            sequence.prompt_tokens = length
+        return cls(model, cache, sequences, logits, mask.sum(-1).to(device))
+
+    @property
+    def size(self) -> int:
+        return len(self.sequences)
+
+    def step(self) -> list[Sequence]:
+        """Every row's next token; finished rows leave; the others' tokens go through the model.
+        Returns the sequences that finished in this step."""
+        tokens, staying, finished = [], [], []
+        for row, sequence in enumerate(self.sequences):
+            token = sequence.choose(self.logits[row])
+            if sequence.push(token):
+                if hasattr(self.cache, "report"):
+                    sequence.report = self.cache.report([row])
+                finished.append(sequence)
+            else:
+                tokens.append(token)
+                staying.append(row)
+        if finished:
+            self.keep_rows(staying)
+        if self.sequences:
+            device = self.logits.device
+            start = time.perf_counter()
+            with torch.inference_mode():
+                self.logits = self.model(input_ids=torch.tensor(tokens, device=device)[:, None],
+                                         position_ids=self.positions[:, None], cache=self.cache,
+                                         logits_to_keep=1).logits[:, -1]
+            seconds = _synchronized(start, device)
+            self.positions = self.positions + 1
+            self.step_seconds.append(seconds)
+            for sequence in self.sequences:
+                sequence.decode_seconds += seconds
+        return finished
+
+    def keep_rows(self, rows: list[int]) -> None:
+        """Only ``rows`` stay (finished or cancelled rows leave, and free their cache rows)."""
+        if rows == list(range(self.size)):
+            return
+        self.sequences = [self.sequences[row] for row in rows]
+        if rows:
+            index = torch.tensor(rows, device=self.logits.device)
+            self.cache.batch_select_indices(index)
+            self.logits, self.positions = self.logits[index], self.positions[index]
+
+    def join(self, other: Batch) -> None:
+        """The rows of ``other`` (prefilled on a cache of the same method and budget) join this batch."""
+        self.cache.join([other.cache])
+        self.sequences += other.sequences
+        self.logits = torch.cat([self.logits, other.logits])
+        self.positions = torch.cat([self.positions, other.positions])
+
+    def run(self) -> list[Sequence]:
+        """Step until every row has finished; returns the sequences in their original order."""
+        order = list(self.sequences)
+        while self.sequences:
+            self.step()
+        return order
+
+
+def left_pad(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids (B, S) padded on the left, and the padding mask (1 = a real token). The pad id is
+    0: padding is masked everywhere, so its value never matters."""
+    width = max(len(row) for row in rows)
+    ids = torch.zeros((len(rows), width), dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row):] = torch.as_tensor(row, dtype=torch.long)
+        mask[i, width - len(row):] = 1
+    return ids, mask
+
+
+def _synchronized(start: float, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start

@@ -1,0 +1,77 @@
+"""Generate text under a KV budget: prompts in, answers and the cache's report out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from d2o.budget import Budget
+from d2o.engine.cache import CompressedCache
+from d2o.engine.report import CacheReport
+from d2o.errors import D2OError
+from d2o.methods import get_method
+from d2o.methods.base import Method
+from d2o.runtime.decoding import Batch, Sampling, Sequence
+from d2o.runtime.prompts import check_length, encode, stop_token_ids
+
+
+@dataclass
+class Generation:
+    """The answers to a batch of prompts and what their cache held."""
+
+    texts: list[str]
+    new_tokens: list[list[int]]
+    prompt_tokens: list[int]
+    finish_reasons: list[str]
+    report: CacheReport
+    seconds: float  # prefill and decoding, wall clock
+    prefill_seconds: float
+
+
+def resolve(method: str | Method, budget: Budget | str | float, **options) -> tuple[Method, Budget]:
+    """A method object and a parsed budget, checked against each other before any model runs."""
+    if isinstance(method, str):
+        method = get_method(method, **options)
+    elif options:
+        raise D2OError("method options go with a method name, not with a method object")
+    budget = Budget.parse(budget)
+    method.check_budget(budget)
+    return method, budget
+
+
+def generate(
+    model,
+    tokenizer,
+    prompts: str | list[str],
+    method: str | Method = "d2o",
+    budget: Budget | str | float = 0.2,
+    *,
+    max_new_tokens: int = 32,
+    chat: bool = False,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    stop: tuple[str, ...] = (),
+    **method_options,
+) -> Generation:
+    """Answer ``prompts`` (one string or a batch) with ``method`` holding the cache to ``budget``.
+
+    Greedy by default; ``temperature`` > 0 samples (within ``top_p``, from ``seed``). An answer
+    ends at the model's end-of-sequence token, at a ``stop`` string, or after ``max_new_tokens``.
+    """
+    method, budget = resolve(method, budget, **method_options)
+    sampling = Sampling(temperature, top_p, seed)
+    rows = encode(tokenizer, [prompts] if isinstance(prompts, str) else list(prompts), chat)
+    check_length(model, max(len(row) for row in rows), max_new_tokens)
+    stops = stop_token_ids(model, tokenizer)
+    sequences = [Sequence(tokenizer, max_new_tokens, sampling, stops, stop) for _ in rows]
+    cache = CompressedCache(model, method, budget)
+    Batch.prefill(model, cache, rows, sequences).run()
+    return Generation(
+        texts=[s.text for s in sequences],
+        new_tokens=[s.tokens for s in sequences],
+        prompt_tokens=[len(row) for row in rows],
+        finish_reasons=[s.finish_reason for s in sequences],
+        report=CacheReport.concat([s.report for s in sequences]),
+        seconds=sequences[0].prefill_seconds + max(s.decode_seconds for s in sequences),
+        prefill_seconds=sequences[0].prefill_seconds,
+    )

@@ -1,0 +1,51 @@
+"""Prompts in, token ids out: chat templates, the model's limits and its stop tokens.
+
+Nothing here changes the caller's tokenizer (batches are padded by the decoding path), and
+nothing here needs torch, so input can be checked before it loads.
+"""
+
+from __future__ import annotations
+
+from d2o.errors import D2OError
+
+
+def chat_text(tokenizer, prompt: str) -> str | None:
+    """``prompt`` as a user turn of the tokenizer's chat template, ready for the answer; None if
+    the tokenizer has no template."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    turn = [{"role": "user", "content": prompt}]
+    return tokenizer.apply_chat_template(turn, tokenize=False, add_generation_prompt=True)
+
+
+def encode(tokenizer, prompts: list[str], chat: bool = False) -> list[list[int]]:
+    """The token ids of each prompt; through the chat template if asked (its text then carries
+    the special tokens)."""
+    if not prompts or any(not p.strip() for p in prompts):
+        raise D2OError("the prompt is empty")
+    if chat:
+        templated = [chat_text(tokenizer, p) for p in prompts]
+        if templated[0] is None:
+            raise D2OError("this model's tokenizer has no chat template: drop --chat")
+        prompts = templated
+    return [tokenizer(p, add_special_tokens=not chat).input_ids for p in prompts]
+
+
+def stop_token_ids(model, tokenizer) -> frozenset[int]:
+    """The tokens that end an answer: the tokenizer's end of sequence and the model's (its
+    generation config may name several), and the pad token."""
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    ids += [tokenizer.eos_token_id, tokenizer.pad_token_id]
+    return frozenset(i for i in ids if i is not None)
+
+
+def check_length(model, n_tokens: int, max_new_tokens: int = 0) -> None:
+    """Refuse a prompt the model has no positions for, saying by how much."""
+    limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    if limit is not None and n_tokens + max_new_tokens > limit:
+        over = n_tokens + max_new_tokens - limit
+        raise D2OError(
+            f"prompt too long for the model: {n_tokens} tokens + {max_new_tokens} new need "
+            f"{n_tokens + max_new_tokens} positions, the model has {limit} ({over} too many)"
+        )
