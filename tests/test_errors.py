@@ -100,7 +100,7 @@ def test_budget_parsing():
 def test_local_model_folders_load_and_generate(real_model, tmp_path, arch):
     from conftest import tiny_model
 
-    from d2o.generation import generate
+    from d2o.runtime.generation import generate
     from d2o.models import load_model
 
     _, tokenizer = real_model
@@ -111,3 +111,20 @@ def test_local_model_folders_load_and_generate(real_model, tmp_path, arch):
     result = generate(model, loaded, LONG_ENOUGH, "d2o", 0.5, max_new_tokens=4)
     assert sum(result.report.layer_budgets) == round(4 * 0.5 * result.prompt_tokens[0])
     assert result.report.kv_tokens_kept == sum(result.report.layer_budgets)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["generate", "--prompt", "hi", "--budget", "abc"], "budget 'abc' is neither a ratio"),
+    (["eval", "--task", "passkey", "--task-option", "nope=1"], "task 'passkey' takes no option nope"),
+    (["eval", "--task", "niah", "--budgets", "0.1,x"], "budget 'x' is neither a ratio"),
+    (["bench", "decode", "--budget", "2"], "budget ratio must be in (0, 1]"),
+])
+def test_bad_input_fails_before_torch_loads(args, message):
+    """Checked at the front door: one line, exit code 2, and neither torch nor a model was loaded."""
+    import subprocess
+
+    probe = ("import sys\nfrom d2o.cli import main\ntry:\n    main()\nexcept SystemExit as e:\n    code = e.code\n"
+             "print(code, 'torch' in sys.modules, 'transformers' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, timeout=60)
+    assert done.stdout.split() == ["2", "False", "False"]
+    assert done.stderr.count("\n") == 1 and message in done.stderr
