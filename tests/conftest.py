@@ -38,9 +38,19 @@ def tiny_model(arch: str = "llama", dtype=torch.float32, attention: str = "sdpa"
     return model
 
 
-def make_cache(model, method, budget, **options):
-    """A compressed cache for ``method`` (a name, with options, or a method object) at ``budget``."""
-    return d2o.CompressedCache(model, d2o.get_method(method, **options) if isinstance(method, str) else method, budget)
+def make_cache(model, method, budget, min_tokens: int = 0, **options):
+    """A compressed cache for ``method`` (a name, with options, or a method object) at ``budget``.
+
+    The floor is off (``min_tokens=0``) unless asked for: these tests compress short prompts on
+    purpose; the floor has tests of its own.
+    """
+    policy = d2o.get_method(method, **options) if isinstance(method, str) else method
+    return d2o.CompressedCache(model, policy, d2o.Budget.parse(budget, min_tokens=min_tokens))
+
+
+def kept_tokens(layer, row: int) -> list[list[int]]:
+    """The tokens a layer holds for ``row``, per KV head, in token order (slots are in no order)."""
+    return [sorted(t for t in head.tolist() if t >= 0) for head in layer.token_index[row]]
 
 
 def random_ids(n: int, seed: int = 1, batch: int = 1) -> torch.Tensor:

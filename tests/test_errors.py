@@ -11,6 +11,7 @@ from d2o.data import essays
 
 
 def run_cli(monkeypatch, capsys, *args) -> tuple[int, str, str]:
+    capsys.readouterr()  # what the test printed before (progress of a model it saved, say) is not the command's
     monkeypatch.setattr(sys, "argv", ["d2o", *args])
     with pytest.raises(SystemExit) as exit_info:
         main()
@@ -28,7 +29,7 @@ LONG_ENOUGH = "The quick brown fox jumps over the lazy dog near the river bank t
     (["--budget", "abc"], "budget 'abc' is neither a ratio (0.2) nor a token count (128t)"),
     (["--budget", "0t"], "budget must be at least 1 token per layer, got 0"),
     (["--budget", "3t"], "d2o needs at least 5 (4 sinks + 1)"),
-    (["--budget", "0.01"], "d2o needs at least 5 (4 sinks + 1)"),
+    (["--budget", "0.01", "--min-tokens", "3"], "d2o needs at least 5 (4 sinks + 1)"),
     (["--method", "nope"], "unknown method 'nope'; choose one of:"),
     (["--option", "alpha"], "--option 'alpha': expected NAME=VALUE"),
     (["--option", "split=0:0"], "split=(0, 0) must be two non-negative parts"),
@@ -108,7 +109,7 @@ def test_local_model_folders_load_and_generate(real_model, tmp_path, arch):
     tokenizer.save_pretrained(tmp_path)
     model, loaded = load_model(str(tmp_path))
     assert model.config.model_type == arch and model.config._attn_implementation == "d2o_sdpa"
-    result = generate(model, loaded, LONG_ENOUGH, "d2o", 0.5, max_new_tokens=4)
+    result = generate(model, loaded, LONG_ENOUGH, "d2o", 0.5, max_new_tokens=4, min_tokens=0)
     assert sum(result.report.layer_budgets) == round(4 * 0.5 * result.prompt_tokens[0])
     assert result.report.kv_tokens_kept == sum(result.report.layer_budgets)
 

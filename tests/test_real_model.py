@@ -32,5 +32,24 @@ def test_d2o_budgets_on_the_real_model(real_model, passkey):
     prompt = result.prompt_tokens[0]
     assert sum(report.layer_budgets) == round(30 * 0.2 * prompt)
     assert len(set(report.layer_budgets)) > 3  # layers really differ
-    assert report.kv_bytes == report.kv_tokens_kept * 3 * 64 * 2 * 4
+    assert report.kv_bytes == (report.kv_tokens_kept + 30) * 3 * 64 * 2 * 4  # + each layer's free slot
     assert report.kv_bytes < 0.21 * report.kv_bytes_full
+
+
+@pytest.mark.parametrize("method", ["d2o", "snapkv", "h2o"])
+def test_a_short_chat_question_keeps_its_answer_at_the_default_budget(monkeypatch, capsys, real_model, method):
+    """The chat template alone is 30-odd tokens: under the floor, nothing of it is evicted."""
+    import json
+    import sys
+
+    from d2o.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["d2o", "generate", "--chat", "--prompt", "What is the capital of France?",
+                                      "--method", method, "--max-new-tokens", "12", "--json"])
+    with pytest.raises(SystemExit) as done:
+        main()
+    assert done.value.code == 0
+    result = json.loads(capsys.readouterr().out)
+    assert "Paris" in result["text"]
+    assert result["budget"] == "0.2" and result["min_tokens"] == 128 and result["floor_layers"] == 30
+    assert result["kv_tokens_kept"] == result["kv_tokens_full"]

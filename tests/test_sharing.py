@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from d2o import D2OError, get_method
+from d2o import Budget, D2OError, get_method
 from d2o.runtime.sharing import SharedPrefill
 from d2o.methods import REGISTRY
 
@@ -31,7 +31,7 @@ def test_forks_equal_separate_runs():
         logits = model(input_ids=ids, cache=shared.cache).logits
     for index, name in enumerate(SHAREABLE):
         for budget in (0.3, "50t"):
-            fork = shared.fork(index, budget)
+            fork = shared.fork(index, Budget.parse(budget, min_tokens=0))
             alone = make_cache(model, name, budget)
             with torch.inference_mode():
                 alone_logits = model(input_ids=ids, cache=alone).logits

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from d2o.errors import D2OError
 
 UNLIMITED = -1  # a layer budget that never evicts (an exempt layer, or a budget covering everything)
+# No layer of a ratio budget is brought below min(tokens seen, MIN_TOKENS): short prompts keep
+# their answers. Chosen by measurement (docs/results/README.md, "The floor").
+MIN_TOKENS = 128
 
 
 @dataclass(frozen=True)
@@ -15,11 +18,14 @@ class Budget:
 
     Exactly one of ``ratio`` (a fraction of the prompt's real tokens, 0 < ratio <= 1) and ``tokens``
     (an absolute per-layer count) is set. The total over layers is what every method is held to:
-    ``round(L * ratio * S)`` or ``L * tokens`` (never more than the ``L * S`` the prompt fills).
+    ``max(round(L * ratio * S), L * min(S, min_tokens))`` or ``L * tokens``. Under a ratio no layer
+    is brought below ``min(tokens seen, min_tokens)`` (the floor): a prompt shorter than it is never
+    compressed, and the floor is part of every method's budget alike. Token budgets have no floor.
     """
 
     ratio: float | None = None
     tokens: int | None = None
+    min_tokens: int = MIN_TOKENS
 
     def __post_init__(self):
         if (self.ratio is None) == (self.tokens is None):
@@ -28,10 +34,15 @@ class Budget:
             raise D2OError(f"budget ratio must be in (0, 1], got {self.ratio:g}")
         if self.tokens is not None and self.tokens < 1:
             raise D2OError(f"budget must be at least 1 token per layer, got {self.tokens}")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise D2OError(f"min_tokens must be a whole number >= 0, got {self.min_tokens!r}")
 
     @classmethod
-    def parse(cls, value: Budget | str | float | int) -> Budget:
-        """``0.2`` / ``"0.2"`` -> ratio; ``"128t"`` / ``"128tok"`` / ``"128tokens"`` -> tokens per layer."""
+    def parse(cls, value: Budget | str | float | int, min_tokens: int | None = None) -> Budget:
+        """``0.2`` / ``"0.2"`` -> ratio; ``"128t"`` / ``"128tok"`` / ``"128tokens"`` -> tokens per layer;
+        ``min_tokens`` replaces the floor (None: keep it)."""
+        if min_tokens is not None:
+            return replace(cls.parse(value), min_tokens=min_tokens)
         if isinstance(value, Budget):
             return value
         if isinstance(value, bool):
@@ -56,10 +67,14 @@ class Budget:
         """The whole sequence, now and as it grows: nothing is ever evicted."""
         return self.ratio == 1.0
 
+    def floor(self, seen: int) -> int:
+        """The fewest tokens a layer keeps after ``seen`` tokens (0 under a token budget)."""
+        return min(seen, self.min_tokens) if self.ratio is not None else 0
+
     def total(self, n_layers: int, prompt_tokens: int) -> int:
         """Total KV tokens over ``n_layers`` layers for a prompt of ``prompt_tokens`` real tokens."""
         if self.ratio is not None:
-            return round(n_layers * self.ratio * prompt_tokens)
+            return max(round(n_layers * self.ratio * prompt_tokens), n_layers * self.floor(prompt_tokens))
         return n_layers * self.tokens
 
     def __str__(self) -> str:

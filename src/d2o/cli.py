@@ -22,6 +22,7 @@ bench_app = typer.Typer(no_args_is_help=True, help="Speed and memory, measured s
 app.add_typer(bench_app, name="bench")
 
 BUDGET_HELP = "KV budget: a ratio of the prompt (0.2) or tokens per layer (128t)."
+FLOOR_HELP = "Under a ratio budget, no layer is brought below min(tokens seen, N) (default 128)."
 
 
 @app.command()
@@ -31,6 +32,7 @@ def generate(
     model: str = typer.Option("smollm2", help="'smollm2' (embedded) or a local model folder."),
     method: str = typer.Option("d2o", help="Compression method (see `d2o methods`)."),
     budget: str = typer.Option("0.2", help=BUDGET_HELP),
+    min_tokens: Optional[int] = typer.Option(None, help=FLOOR_HELP),
     max_new_tokens: int = typer.Option(64, help="Tokens to generate."),
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template."),
     sample: bool = typer.Option(False, "--sample", help="Sample instead of greedy decoding."),
@@ -49,7 +51,7 @@ def generate(
     if (prompt is None) == (prompt_file is None):
         raise D2OError("give exactly one of --prompt and --prompt-file")
     text = prompt if prompt is not None else read_text_file(prompt_file)
-    parsed_budget, options = Budget.parse(budget), parse_options(option)
+    parsed_budget, options = Budget.parse(budget, min_tokens), parse_options(option)
     if max_new_tokens < 1:
         raise D2OError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
 
@@ -98,6 +100,7 @@ def evaluate(
     model: str = typer.Option("smollm2"),
     methods: str = typer.Option("full,h2o,snapkv,pyramidkv,streamingllm,d2o", help="Comma-separated methods."),
     budgets: str = typer.Option("0.1,0.2,0.5", help="Comma-separated budgets (ratios, or 128t)."),
+    min_tokens: Optional[int] = typer.Option(None, help=FLOOR_HELP),
     limit: Optional[int] = typer.Option(None, help="Samples (per dataset / per NIAH cell)."),
     seed: int = typer.Option(0),
     out: Path = typer.Option(Path("out/eval"), help="Results folder (a rerun resumes there)."),
@@ -119,7 +122,7 @@ def evaluate(
         method_options.setdefault(target, {}).update(parse_options([rest]))
     config = EvalConfig(
         task=task, model=model, methods=split_list(methods), budgets=split_list(budgets), limit=limit, seed=seed,
-        out=str(out), shared_prefill=not separate_prefill, dtype=dtype, attention=attention,
+        out=str(out), shared_prefill=not separate_prefill, dtype=dtype, attention=attention, min_tokens=min_tokens,
         task_options=parse_options(task_option, "--task-option"), method_options=method_options,
     )
     check_config(config)  # before torch loads

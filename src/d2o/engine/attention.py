@@ -20,7 +20,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
 from d2o.engine.cache import CompressedCache
-from d2o.engine.stats import allowed_keys, attention_stats
+from d2o.engine.stats import AttentionStats, allowed_keys, attention_stats
 from d2o.engine.storage import claim_active_layer
 from d2o.errors import D2OError
 
@@ -53,14 +53,23 @@ def _make_attention(backend: str):
             layer.admit(new_valid)
             kv_valid = layer.valid  # (B, G, N)
             positions = layer.token_index
+            query_positions = positions[:, :1].gather(2, layer.fresh_slots(n_query)[:, :1])  # (B, 1, q)
         else:  # no d2o cache (plain DynamicCache, or none): slots are the padded token stream
             kv_valid = padding[:, None, -n_keys:]
             new_valid = kv_valid[:, 0, -n_query:]
-            positions = None
+            positions = torch.arange(n_keys, device=query.device).expand(query.shape[0], 1, n_keys)
+            query_positions = positions[:, :, n_keys - n_query:]
         if key.shape[1] != query.shape[1] // module.num_key_value_groups:  # KV heads stored repeated
             module = _Grouping(module, query.shape[1] // key.shape[1])
-        window_mask = _sliding_window(kwargs.get("sliding_window"), kv_valid, positions, n_query)
+        window_mask = _sliding_window(kwargs.get("sliding_window"), kv_valid, positions, query_positions)
         scaling = module.scaling if scaling is None else scaling
+        request = None
+        if layer is not None and layer.observing:
+            request = layer.cache.policy.stats_request(layer, n_query)
+        if request is not None and n_query == 1 and window_mask is None:
+            output, stats = _one_query_attention(query, key, value, kv_valid, new_valid, scaling)
+            layer.cache.policy.observe(layer, stats)
+            return output, None
 
         mask = None
         simple = window_mask is None and bool(kv_valid.all())
@@ -78,17 +87,33 @@ def _make_attention(backend: str):
         else:
             output, _ = sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling)
 
-        if layer is not None:
-            policy = layer.cache.policy
-            request = policy.stats_request(layer, n_query)
-            if request is not None:
-                per_head = kv_valid.expand(-1, key.shape[1], -1)
-                stats = attention_stats(query, key, per_head, new_valid, scaling, request, window_mask)
-                policy.observe(layer, stats)
+        if request is not None:
+            per_head = kv_valid.expand(-1, key.shape[1], -1)
+            stats = attention_stats(query, key, per_head, new_valid, scaling, request, window_mask)
+            layer.cache.policy.observe(layer, stats)
         return output, None
 
     attention.__name__ = f"d2o_{backend}_attention"
     return attention
+
+
+def _one_query_attention(query, key, value, kv_valid, new_valid, scaling):
+    """One new query per row (a decode step), when the policy wants statistics: the attention
+    probabilities (in float32 at least), the output from them, and the statistics for free (for
+    one query, its probabilities are both the column mass and the last window row)."""
+    batch, heads, _, dim = query.shape
+    kv_heads = key.shape[1]
+    dtype = torch.promote_types(query.dtype, torch.float32)
+    queries = query.to(dtype).view(batch, kv_heads, heads // kv_heads, dim) * scaling
+    scores = torch.matmul(queries, key.to(dtype).transpose(-1, -2))  # (B, G, group, N)
+    if not bool(kv_valid.all()):
+        scores.masked_fill_(~kv_valid[:, :, None, :], torch.finfo(dtype).min)
+    probs = torch.softmax(scores, dim=-1)
+    output = torch.matmul(probs, value.to(dtype)).to(query.dtype).view(batch, 1, heads, value.shape[-1])
+    probs = probs.float()
+    if not bool(new_valid.all()):  # a padding query observes nothing
+        probs = probs * new_valid[:, :, None, None]
+    return output, AttentionStats(1, column_mass=probs, window=probs[:, :, :, None, :])
 
 
 class _Grouping:
@@ -101,14 +126,12 @@ class _Grouping:
         self.scaling = module.scaling
 
 
-def _sliding_window(window, kv_valid, positions, n_query):
-    """A callable adding a sliding window to `allowed_keys`, or None when the window changes nothing."""
+def _sliding_window(window, kv_valid, positions, query_pos):
+    """A callable adding a sliding window to `allowed_keys`, or None when the window changes nothing.
+
+    ``positions`` (B, G|1, N): each slot's token index; ``query_pos`` (B, 1, q): the new tokens'."""
     if window is None:
         return None
-    n_keys = kv_valid.shape[-1]
-    if positions is None:  # slots are the token stream itself
-        positions = torch.arange(n_keys, device=kv_valid.device).expand(kv_valid.shape[0], 1, n_keys)
-    query_pos = positions[:, :1, n_keys - n_query :]  # new tokens hold the same index in every head
     newest = query_pos.max()
     if bool(newest - positions.masked_fill(positions < 0, newest).min() < window):
         return None

@@ -16,7 +16,7 @@ from transformers.cache_utils import Cache
 from d2o.budget import UNLIMITED, Budget
 from d2o.engine.policy import Policy
 from d2o.engine.report import CacheReport, LayerReport
-from d2o.engine.selection import evicted_slots, select_kept
+from d2o.engine.selection import evicted_slots, select_kept, select_victim
 from d2o.engine.stats import token_surprisal
 from d2o.engine.storage import CompressedLayer
 from d2o.errors import D2OError
@@ -75,6 +75,7 @@ class CompressedCache(Cache):
             theirs.lazy_initialization(mine.keys, mine.values)
             theirs.keys, theirs.values, theirs.token_index = mine.keys, mine.values, mine.token_index
             theirs.seen, theirs.real_seen = mine.seen, mine.real_seen
+            mine.owns_storage = theirs.owns_storage = False
             theirs.slot_state = {
                 name[len(slot_prefix):]: state.clone()
                 for name, state in mine.slot_state.items()
@@ -115,6 +116,7 @@ class CompressedCache(Cache):
                 raise D2OError("caches join a batch once both are compressing (after their prefill), never while held")
         for mine, *theirs in zip(self.layers, *(other.layers for other in others)):
             mine.join(theirs)
+            mine.observing = any(layer.observing for layer in (mine, *theirs))
         if self._last_hidden is not None:
             self._last_hidden = torch.cat([self._last_hidden, *(other._last_hidden for other in others)])
         self.forwards = max(self.forwards, *(other.forwards for other in others))
@@ -140,7 +142,7 @@ class CompressedCache(Cache):
     def observe_tokens(self, input_ids: torch.Tensor, hidden: torch.Tensor, lm_head) -> None:
         """Give the policy each new token's surprisal, -log p(token | earlier tokens), (B, q)."""
         first = self.layers[0]
-        valid = first.token_index[:, 0, -input_ids.shape[1]:] >= 0
+        valid = first.token_index[:, 0].gather(1, first.fresh_slots(input_ids.shape[1])[:, 0]) >= 0
         surprisal, self._last_hidden = token_surprisal(input_ids, hidden, lm_head, valid, self._last_hidden)
         self.policy.observe_tokens(self, surprisal)
 
@@ -163,7 +165,11 @@ class CompressedCache(Cache):
             return
         for layer in self.layers:
             target = self._target(layer)
-            if (layer.n_kept > target).any():
+            excess = layer.n_kept - target
+            most = int(excess.max())
+            if most == 1 and layer.owns_storage:  # a decode step: one slot per row and head, freed in place
+                self._evict_one(layer, target, excess > 0)
+            elif most > 0:
                 self._compress_layer(layer, target)
 
     def _allocate(self) -> None:
@@ -175,11 +181,28 @@ class CompressedCache(Cache):
             budgets = self.policy.allocate(self, totals)
         for i, layer in enumerate(self.layers):
             layer.budget = budgets[:, i].to(layer.device)
+            layer.observing = self.policy.evicts_during_decode and bool((layer.budget != UNLIMITED).any())
         self.allocated = True
+
+    def limit(self, layer: CompressedLayer) -> torch.Tensor:
+        """(B,) the layer's budget now: as allocated, never below the floor ``min(seen, min_tokens)``
+        of a ratio budget (a row below the floor grows until it reaches it); UNLIMITED stays."""
+        if self.budget.ratio is None:
+            return layer.budget
+        floor = layer.real_seen.clamp_max(self.budget.min_tokens)
+        return torch.where(layer.budget == UNLIMITED, layer.budget, torch.maximum(layer.budget, floor))
+
+    def floor_decides(self, layer: CompressedLayer) -> torch.Tensor:
+        """(B,) bool: the floor, not the share of the ratio, set the layer's budget."""
+        if self.budget.ratio is None or layer.budget is None or self.policy.keeps_everything:
+            return torch.zeros_like(layer.real_seen, dtype=torch.bool)
+        floor = layer.real_seen.clamp_max(self.budget.min_tokens)
+        return (layer.budget != UNLIMITED) & (layer.budget <= floor)
 
     def _target(self, layer: CompressedLayer) -> torch.Tensor:
         kept = layer.n_kept
-        return torch.where(layer.budget == UNLIMITED, kept, torch.minimum(layer.budget, kept))
+        limit = self.limit(layer)
+        return torch.where(limit == UNLIMITED, kept, torch.minimum(limit, kept))
 
     def _compress_layer(self, layer: CompressedLayer, target: torch.Tensor) -> None:
         policy = self.policy
@@ -191,6 +214,18 @@ class CompressedCache(Cache):
             evict, evict_valid = evicted_slots(layer.valid, keep, keep_valid, target)
             evicted = layer.evicted(evict, evict_valid)
         layer.keep(keep, keep_valid)
+        if evicted is not None:
+            layer.merged += policy.merge.merge(layer, evicted)
+
+    def _evict_one(self, layer: CompressedLayer, target: torch.Tensor, rows: torch.Tensor) -> None:
+        """Evict one token per KV head from each of the rows ``rows`` (B,) bool: the one
+        ``select_kept`` would leave out. Its slot is only marked empty; nothing is copied."""
+        policy = self.policy
+        victim = select_victim(policy.score(layer).float(), policy.protected(layer, target), layer.token_index)
+        evicted = None
+        if policy.merge is not None:
+            evicted = layer.evicted(victim[..., None], rows[:, None])
+        layer.drop(victim, rows)
         if evicted is not None:
             layer.merged += policy.merge.merge(layer, evicted)
 
@@ -216,7 +251,7 @@ class CompressedCache(Cache):
             heads, dim = self.config.num_key_value_heads, layer.keys.shape[-1]
             bytes_per_token = heads * dim * (layer.keys.element_size() + layer.values.element_size())
             budget = [None] * batch if layer.budget is None else [
-                None if b == UNLIMITED else b for b in layer.budget.tolist()]
+                None if b == UNLIMITED else b for b in self.limit(layer).tolist()]
             layers.append(
                 LayerReport(
                     layer=layer.layer_idx,
@@ -224,6 +259,7 @@ class CompressedCache(Cache):
                     kept=pick(layer.n_kept.tolist()),
                     full=pick(layer.real_seen.tolist()),
                     merged=pick(layer.merged.tolist()),
+                    floor=pick(self.floor_decides(layer).tolist()),
                     kv_bytes=layer.nbytes * len(picked) // batch,
                     state_bytes=layer.state_nbytes * len(picked) // batch,
                     # What a DynamicCache would hold: every fed token, padding included.
@@ -231,4 +267,7 @@ class CompressedCache(Cache):
                     method={name: pick(values) for name, values in self.policy.report(layer).items()},
                 )
             )
-        return CacheReport(method=self.policy.name, budget=str(self.budget), layers=layers)
+        held = not self.policy.keeps_everything
+        return CacheReport(method=self.policy.name, budget=str(self.budget) if held else None,
+                           min_tokens=self.budget.min_tokens if held and self.budget.ratio is not None else None,
+                           layers=layers)

@@ -60,6 +60,7 @@ class Policy(Protocol):
     evicts_during_decode: bool  # False: compress once, then let the cache grow
     needs_surprisal: bool  # True: the engine computes every new token's surprisal for ``observe_tokens``
     repeats_kv_heads: bool  # True: KV heads stored once per query head (the released D2O code's storage)
+    keeps_everything: bool  # True: the budget is ignored (the full cache), and reported as none
     merge: Merge | None
 
     def new_layer_state(self) -> RowState | None:

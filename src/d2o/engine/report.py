@@ -15,6 +15,7 @@ class LayerReport:
     kept: list[int]
     full: list[int]  # real tokens seen: what an uncompressed cache would hold
     merged: list[int]
+    floor: list[bool]  # the floor under a ratio budget, not the ratio's share, set the budget
     kv_bytes: int
     kv_bytes_full: int
     state_bytes: int  # token indices and method state kept per slot, beside the keys and values
@@ -24,7 +25,7 @@ class LayerReport:
         return dict(self.__dict__)
 
 
-PER_ROW = ("budget", "kept", "full", "merged")
+PER_ROW = ("budget", "kept", "full", "merged", "floor")
 BYTES = ("kv_bytes", "kv_bytes_full", "state_bytes")
 
 
@@ -34,6 +35,7 @@ class CacheReport:
 
     method: str
     budget: str | None  # None: the method keeps everything (no budget held it)
+    min_tokens: int | None  # the floor under a ratio budget (None: a token budget, or no budget)
     layers: list[LayerReport]
 
     @classmethod
@@ -49,7 +51,7 @@ class CacheReport:
                 **{name: sum(getattr(part, name) for part in parts) for name in BYTES},
                 method=merged,
             ))
-        return cls(method=first.method, budget=first.budget, layers=layers)
+        return cls(method=first.method, budget=first.budget, min_tokens=first.min_tokens, layers=layers)
 
     @property
     def kv_tokens_kept(self) -> int:
@@ -72,6 +74,11 @@ class CacheReport:
         return sum(layer.state_bytes for layer in self.layers)
 
     @property
+    def floor_layers(self) -> int:
+        """Layers of the first row whose budget the floor set."""
+        return sum(bool(layer.floor[0]) for layer in self.layers if layer.floor)
+
+    @property
     def layer_budgets(self) -> list[int | None]:
         """Per-layer budget of the first row (the only row for a single prompt)."""
         return [layer.budget[0] if layer.budget else None for layer in self.layers]
@@ -80,6 +87,8 @@ class CacheReport:
         return {
             "method": self.method,
             "budget": self.budget,
+            "min_tokens": self.min_tokens,
+            "floor_layers": self.floor_layers,
             "kv_tokens_kept": self.kv_tokens_kept,
             "kv_tokens_full": self.kv_tokens_full,
             "kv_bytes": self.kv_bytes,
@@ -92,8 +101,11 @@ class CacheReport:
     def summary(self) -> str:
         """One line: what was held, against the full cache."""
         held = self.method if self.budget is None else f"{self.method} at {self.budget}"
-        return (f"{held}: {self.kv_tokens_kept} of {self.kv_tokens_full} KV tokens, "
+        line = (f"{held}: {self.kv_tokens_kept} of {self.kv_tokens_full} KV tokens, "
                 f"{self.kv_bytes / 2**20:.2f} of {self.kv_bytes_full / 2**20:.2f} MiB")
+        if self.floor_layers:
+            line += f"; the {self.min_tokens}-token floor set {self.floor_layers} of {len(self.layers)} layers"
+        return line
 
     def table(self) -> str:
         """A plain-text per-layer table (first row of the batch), with the method's diagnostics."""

@@ -30,6 +30,16 @@ def select_kept(
     return keep, keep_valid
 
 
+def select_victim(scores: torch.Tensor, protected: torch.Tensor, token_index: torch.Tensor) -> torch.Tensor:
+    """Per row and KV head, the one slot ``select_kept`` leaves out when it keeps all valid slots
+    but one: the lowest-scoring valid unprotected slot, the older token among equal scores. (B, G)."""
+    empty = token_index < 0
+    ranked = scores.masked_fill(protected | empty, float("inf"))
+    lowest = ranked.amin(-1, keepdim=True)
+    older_first = token_index.masked_fill((ranked != lowest) | empty, torch.iinfo(token_index.dtype).max)
+    return older_first.argmin(-1)
+
+
 def evicted_slots(
     valid: torch.Tensor, keep: torch.Tensor, keep_valid: torch.Tensor, target: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

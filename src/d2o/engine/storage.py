@@ -2,11 +2,16 @@
 
 A layer stores keys and values as ``(batch, kv_heads, slots, head_dim)`` (KV heads are never
 repeated) plus, for every slot and KV head, the index of the token it holds among its row's real
-tokens (``-1`` marks an empty slot: left padding, or the unused tail of a row whose budget is
-smaller than its neighbour's). Slots need not be in token order: keys are cached after RoPE, so a
-kept token carries its true position with it, and the attention hook masks by slot validity,
-never by slot position. Methods keep per-slot state (accumulated attention, ...) in
-``slot_state``, which moves with the slots, and per-layer state in ``state`` (a ``RowState``).
+tokens (``-1`` marks an empty slot: left padding, a slot freed by an eviction, or the unused tail
+of a row whose budget is smaller than its neighbour's). Slots need not be in token order, nor the
+same in every KV head: keys are cached after RoPE, so a kept token carries its true position with
+it, and the attention hook masks by slot validity, never by slot position. Methods keep per-slot
+state (accumulated attention, ...) in ``slot_state``, which moves with the slots, and per-layer
+state in ``state`` (a ``RowState``).
+
+Decoding does not copy the layer: a step that evicts one token per row and KV head only marks its
+slot empty, and the next token is written into that slot (``update``); a multi-token input is
+appended, and an eviction of several tokens gathers the kept slots into new, smaller tensors.
 """
 
 from __future__ import annotations
@@ -109,6 +114,12 @@ class CompressedLayer(CacheLayerMixin):
         self.budget: torch.Tensor | None = None  # (B,) slots this layer may keep per row, once allocated
         self.merged: torch.Tensor | None = None  # (B,) evicted (token, KV head) pairs merged so far
         self.pending = 0  # tokens appended by `update` that the attention hook has not admitted yet
+        self.written: torch.Tensor | None = None  # (B, G, 1): where `update` wrote a token in place
+        # False once allocated when the layer can never evict: its statistics are then not needed.
+        self.observing = True
+        # False while the tensors are shared with another cache (a fork): never written in place then.
+        self.owns_storage = True
+        self._grid: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # -- transformers' layer interface --------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -132,11 +143,45 @@ class CompressedLayer(CacheLayerMixin):
             value_states = value_states.repeat_interleave(self.cache.kv_repeats, dim=1)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self.keys = torch.cat([self.keys, key_states], dim=-2)
-        self.values = torch.cat([self.values, value_states], dim=-2)
         self.pending = key_states.shape[-2]
+        free = self.free_slots() if self.pending == 1 else None
+        if free is not None:  # one token per row and KV head, into a free slot: nothing is copied
+            rows, heads = self.grid()
+            self.keys[rows, heads, free] = key_states[:, :, 0]
+            self.values[rows, heads, free] = value_states[:, :, 0]
+            self.written = free[..., None]
+        else:
+            self.keys = torch.cat([self.keys, key_states], dim=-2)
+            self.values = torch.cat([self.values, value_states], dim=-2)
+            self.written = None
+            self.owns_storage = True
         _active.layer = self
         return self.keys, self.values
+
+    def free_slots(self) -> torch.Tensor | None:
+        """(B, G): the first empty slot of every row and KV head, or None if one has none (or the
+        tensors are shared with another cache)."""
+        if not self.owns_storage:
+            return None
+        free = self.token_index < 0
+        if not bool(free.any(-1).all()):
+            return None
+        return free.to(torch.uint8).argmax(-1)
+
+    def grid(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row and KV-head indices (B, 1) and (1, G), to index one slot per row and head."""
+        batch, heads = self.token_index.shape[:2]
+        if self._grid is None or self._grid[0].shape[0] != batch or self._grid[1].shape[1] != heads:
+            device = self.token_index.device
+            self._grid = (torch.arange(batch, device=device)[:, None], torch.arange(heads, device=device)[None, :])
+        return self._grid
+
+    def fresh_slots(self, q: int) -> torch.Tensor:
+        """(B, G, q): the slots of the tokens the last pass added."""
+        if self.written is not None:
+            return self.written
+        batch, heads, n_slots = self.token_index.shape
+        return torch.arange(n_slots - q, n_slots, device=self.token_index.device).expand(batch, heads, q)
 
     def get_seq_length(self) -> int:
         # Tokens seen, not kept: the model derives positions from it and `generate` decides from it
@@ -173,6 +218,7 @@ class CompressedLayer(CacheLayerMixin):
         self.slot_state = {name: fn(t) for name, t in self.slot_state.items()}
         if self.state is not None:
             self.state = self.state.map_rows(fn, lambda items: [items[row] for row in rows])
+        self.owns_storage = True
 
     def join(self, others: list[CompressedLayer]) -> None:
         """Append the rows of ``others`` (layers of caches of the same policy) to this layer's;
@@ -199,6 +245,7 @@ class CompressedLayer(CacheLayerMixin):
         if self.state is not None:
             self.state = type(self.state).concat([layer.state for layer in layers], rows)
         self.seen = max(layer.seen for layer in layers)
+        self.owns_storage = True
 
     # -- what the attention hook and the methods use --------------------------------------------
     def admit(self, new_valid: torch.Tensor) -> None:
@@ -207,12 +254,19 @@ class CompressedLayer(CacheLayerMixin):
         batch, heads = self.keys.shape[:2]
         index = self.real_seen[:, None] + new_valid.long().cumsum(-1) - 1
         index = index.masked_fill(~new_valid, -1)
-        self.token_index = torch.cat([self.token_index, index[:, None, :].expand(batch, heads, q)], dim=2)
+        if self.written is not None:
+            row_index, head_index = self.grid()
+            slot = self.written[..., 0]
+            self.token_index[row_index, head_index, slot] = index
+            for state in self.slot_state.values():
+                state[row_index, head_index, slot] = 0
+        else:
+            self.token_index = torch.cat([self.token_index, index[:, None, :].expand(batch, heads, q)], dim=2)
+            for name, state in self.slot_state.items():
+                fresh = state.new_zeros((*state.shape[:2], q, *state.shape[3:]))
+                self.slot_state[name] = torch.cat([state, fresh], dim=2)
         self.real_seen = self.real_seen + new_valid.sum(-1)
         self.seen += q
-        for name, state in self.slot_state.items():
-            fresh = state.new_zeros((*state.shape[:2], q, *state.shape[3:]))
-            self.slot_state[name] = torch.cat([state, fresh], dim=2)
         self.pending = 0
 
     @property
@@ -249,6 +303,13 @@ class CompressedLayer(CacheLayerMixin):
             slot_state={name: take_slots(state, slots) for name, state in self.slot_state.items()},
         )
 
+    def drop(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """Empty the slot ``slots`` (B, G) of every KV head of the rows ``rows`` (B,) bool, in place:
+        the next token of such a row is written there."""
+        grid_rows, heads = self.grid()
+        current = self.token_index[grid_rows, heads, slots]
+        self.token_index[grid_rows, heads, slots] = torch.where(rows[:, None], -1, current)
+
     def keep(self, keep: torch.Tensor, keep_valid: torch.Tensor) -> None:
         """Shrink to the slots ``keep`` (B, G, K), gathered into new tensors; ``keep_valid`` (B, K)
         marks the real ones (rows of a batch with smaller budgets have an empty tail)."""
@@ -261,3 +322,4 @@ class CompressedLayer(CacheLayerMixin):
             self.token_index.masked_fill_(empty, -1)
         self.keys, self.values = keys, values
         self.slot_state = {name: take_slots(state, keep) for name, state in self.slot_state.items()}
+        self.owns_storage = True

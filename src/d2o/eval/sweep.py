@@ -11,7 +11,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from d2o.budget import Budget
+from d2o.budget import MIN_TOKENS, Budget
 from d2o.errors import D2OError
 from d2o.eval.tasks import get_task
 from d2o.eval.tasks.base import Task
@@ -33,6 +33,7 @@ class EvalConfig:
     shared_prefill: bool = True
     dtype: str = "float32"
     attention: str = "sdpa"
+    min_tokens: int | None = None  # the floor under ratio budgets (None: the library's default)
     task_options: dict = field(default_factory=dict)
     method_options: dict = field(default_factory=dict)  # {method: {option: value}}
 
@@ -40,13 +41,14 @@ class EvalConfig:
         """What must match for a rerun to resume into the same folder (methods, budgets and the
         limit may grow)."""
         return {"task": self.task, "task_settings": task.settings(), "model": self.model, "seed": self.seed,
-                "dtype": self.dtype, "attention": self.attention, "method_options": self.method_options}
+                "dtype": self.dtype, "attention": self.attention, "method_options": self.method_options,
+                "min_tokens": MIN_TOKENS if self.min_tokens is None else self.min_tokens}
 
 
 def check_config(config: EvalConfig) -> tuple[Task, list[Budget]]:
     """Everything that can be checked without torch: the task and its options, the budgets."""
     task = get_task(config.task, **config.task_options)
-    return task, [Budget.parse(b) for b in config.budgets]
+    return task, [Budget.parse(b, config.min_tokens) for b in config.budgets]
 
 
 def run_eval(config: EvalConfig, progress: bool = True) -> list[dict]:

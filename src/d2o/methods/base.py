@@ -53,6 +53,8 @@ class Method:
     needs_surprisal: ClassVar[bool] = False
     # True: KV heads are stored once per query head (the released D2O code; parity only).
     repeats_kv_heads: ClassVar[bool] = False
+    # True: the budget is ignored and nothing is ever evicted (the full cache).
+    keeps_everything: ClassVar[bool] = False
 
     n_sinks: int = 0
     allocation: Allocation = field(default_factory=Uniform)
@@ -92,9 +94,15 @@ class Method:
         return f"{self.n_sinks} sinks + 1"
 
     def check_budget(self, budget: Budget) -> None:
-        """Refuse, before any model runs, a token budget below what every layer must keep."""
+        """Refuse, before any model runs, a budget that could leave a layer below what this method
+        must keep: a token budget below it, or a floor below it (the floor meets the minimum of a
+        ratio budget; ``min_tokens=0`` turns the floor off, and a ratio too small for the method is
+        then refused when the prompt's length is known)."""
         if budget.tokens is not None and budget.tokens < self.min_layer_budget:
             raise D2OError(f"budget {budget} leaves {budget.tokens} tokens per layer; {self.name} needs at least "
+                           f"{self.min_layer_budget} ({self.min_budget_reason()})")
+        if budget.ratio is not None and 0 < budget.min_tokens < self.min_layer_budget and not self.keeps_everything:
+            raise D2OError(f"min_tokens={budget.min_tokens} is too low a floor: {self.name} needs at least "
                            f"{self.min_layer_budget} ({self.min_budget_reason()})")
 
     @property
@@ -116,17 +124,16 @@ class Method:
         for row, (length, total) in enumerate(zip(prompt.tolist(), totals.tolist())):
             total -= len(exempt) * length  # exempt layers hold the whole prompt
             if total >= len(active) * length:  # the budget covers the prompt: nothing to evict yet
-                lower, upper = self.min_layer_budget, None
-            elif total < len(active) * self.min_layer_budget:
+                budgets[row, active] = torch.tensor(conserve(weights[row], total, length, None), dtype=torch.long)
+                continue
+            lower = max(self.min_layer_budget, self.allocation.lower(length), cache.budget.floor(length))
+            if total < len(active) * lower:
+                why = self.min_budget_reason() if lower == self.min_layer_budget else "its allocation's smallest share"
                 raise D2OError(
                     f"budget {cache.budget} leaves {max(total, 0) / max(len(active), 1):.1f} tokens per layer for a "
-                    f"{length}-token prompt; {self.name} needs at least {self.min_layer_budget} "
-                    f"({self.min_budget_reason()})"
+                    f"{length}-token prompt; {self.name} needs at least {lower} ({why})"
                 )
-            else:
-                lower, upper = max(self.min_layer_budget, self.allocation.lower(length)), length
-            shares = conserve(weights[row], total - len(active) * reserved, lower - reserved,
-                              None if upper is None else upper - reserved)
+            shares = conserve(weights[row], total - len(active) * reserved, lower - reserved, length - reserved)
             budgets[row, active] = torch.tensor(shares, dtype=torch.long) + reserved
         return budgets
 

@@ -46,13 +46,14 @@ class ProminenceMerge:
                 zlib.crc32(f"{self.seed}/{layer.layer_idx}/{int(layer.real_seen[b])}".encode()))
             uniform = torch.rand((heads, n_evict), generator=draw).to(values.device)
             for g in range(heads):
-                # The kept tokens are the layer's first n_keep slots; the evicted ones come in slot order.
-                kept_tokens = layer.token_index[b, g, :n_keep]
+                # The kept tokens in token order, and for each evicted one the `span` kept after it.
+                kept_slots = layer.valid[b, g].nonzero()[:, 0]
+                kept_tokens = layer.token_index[b, g, kept_slots]
                 order = kept_tokens.argsort()
                 first = torch.searchsorted(kept_tokens[order], evicted.token_index[b, g, :n_evict])
                 targets = first[:, None] + torch.arange(self.span, device=values.device)  # (E, span) in order
                 reachable = targets < n_keep
-                targets = order[targets.clamp_max(n_keep - 1)]  # slots of the kept tokens
+                targets = kept_slots[order[targets.clamp_max(n_keep - 1)]]  # their slots
                 weight = reachable.float()
                 target_prominence = kept_prominence[b, g, targets]
                 mean = (target_prominence * weight).sum(-1) / weight.sum(-1).clamp_min(1)

@@ -17,6 +17,7 @@ class Full(Method):
 
     name = "full"
     summary = "no compression: every token is kept (the reference)"
+    keeps_everything = True
 
     def allocate(self, cache, totals: torch.Tensor) -> torch.Tensor:
         return torch.full((len(totals), cache.n_layers), UNLIMITED, dtype=torch.long)

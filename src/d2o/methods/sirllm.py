@@ -31,14 +31,15 @@ class SirLLM(HeavyRecent):
         check(0.0 < self.decay <= 1.0, "decay", self.decay, "must be in (0, 1]")
 
     def observe_tokens(self, cache, surprisal: torch.Tensor) -> None:
-        n_new = surprisal.shape[1]
+        batch, n_new = surprisal.shape
         for layer in cache.layers:
-            batch, heads, n_slots = layer.token_index.shape
             scores = layer.slot_state.get("surprisal")
             if scores is None:
-                scores = torch.zeros((batch, heads, n_slots), dtype=torch.float32, device=surprisal.device)
-            scores[..., : n_slots - n_new] *= self.decay
-            scores[..., n_slots - n_new :] = surprisal[:, None, :]
+                scores = torch.zeros(layer.token_index.shape, dtype=torch.float32, device=surprisal.device)
+            elif self.decay != 1.0:
+                scores *= self.decay  # the new tokens' slots are overwritten just below
+            fresh = layer.fresh_slots(n_new)
+            scores.scatter_(2, fresh, surprisal[:, None, :].expand(batch, fresh.shape[1], n_new))
             layer.slot_state["surprisal"] = scores
 
     def score(self, layer) -> torch.Tensor:

@@ -27,13 +27,15 @@ class Generation:
     prefill_seconds: float
 
 
-def resolve(method: str | Method, budget: Budget | str | float, **options) -> tuple[Method, Budget]:
-    """A method object and a parsed budget, checked against each other before any model runs."""
+def resolve(method: str | Method, budget: Budget | str | float, min_tokens: int | None = None,
+            **options) -> tuple[Method, Budget]:
+    """A method object and a parsed budget (``min_tokens``: its floor, None for the default),
+    checked against each other before any model runs."""
     if isinstance(method, str):
         method = get_method(method, **options)
     elif options:
         raise D2OError("method options go with a method name, not with a method object")
-    budget = Budget.parse(budget)
+    budget = Budget.parse(budget, min_tokens)
     method.check_budget(budget)
     return method, budget
 
@@ -51,14 +53,16 @@ def generate(
     top_p: float = 1.0,
     seed: int | None = None,
     stop: tuple[str, ...] = (),
+    min_tokens: int | None = None,
     **method_options,
 ) -> Generation:
     """Answer ``prompts`` (one string or a batch) with ``method`` holding the cache to ``budget``.
 
     Greedy by default; ``temperature`` > 0 samples (within ``top_p``, from ``seed``). An answer
     ends at the model's end-of-sequence token, at a ``stop`` string, or after ``max_new_tokens``.
+    ``min_tokens``: the floor under a ratio budget (``d2o.budget.MIN_TOKENS`` by default).
     """
-    method, budget = resolve(method, budget, **method_options)
+    method, budget = resolve(method, budget, min_tokens, **method_options)
     sampling = Sampling(temperature, top_p, seed)
     rows = encode(tokenizer, [prompts] if isinstance(prompts, str) else list(prompts), chat)
     check_length(model, max(len(row) for row in rows), max_new_tokens)

@@ -99,18 +99,32 @@ class SimilarityMerge:
         else:
             source_weight = torch.where(merged, best, 0.0)
             self_weight = 1.0
-        denominator = torch.full(keys.shape[:3], self_weight, dtype=torch.float32, device=keys.device)
         counts = merged.float() if self.weighting == "official" else source_weight
-        denominator.scatter_add_(2, target, counts)
-        for kept, sources in ((keys, evicted.keys), (values, evicted.values)):
-            numerator = kept.float() * self_weight
-            contribution = sources.float() * source_weight[..., None]
-            numerator.scatter_add_(2, target[..., None].expand_as(contribution), contribution)
-            kept.copy_(numerator / denominator[..., None])
+        hits = torch.zeros(keys.shape[:3], dtype=torch.int32, device=keys.device).scatter_add_(2, target, merged.int())
+        # Each kept slot c that received merges becomes (w_c * c + sum_e w_e * e) / (w_c + sum_e counts_e);
+        # the others are left as they are.
+        if width == 1:  # a decode step: at most one evicted token per row and head, so one target
+            row_index, head_index = layer.grid()
+            slot, hit = target[..., 0], merged[..., 0, None]
+            denominator = self_weight + counts[..., 0, None]
+            for kept, sources in ((keys, evicted.keys), (values, evicted.values)):
+                current = kept[row_index, head_index, slot]
+                blended = (current.float() * self_weight + sources[:, :, 0].float() * source_weight[..., 0, None])
+                kept[row_index, head_index, slot] = torch.where(hit, (blended / denominator).to(kept.dtype), current)
+        else:
+            received = (hits > 0)[..., None]
+            denominator = torch.full(keys.shape[:3], self_weight, dtype=torch.float32, device=keys.device)
+            denominator.scatter_add_(2, target, counts)
+            for kept, sources in ((keys, evicted.keys), (values, evicted.values)):
+                numerator = kept.float() * self_weight
+                contribution = sources.float() * source_weight[..., None]
+                numerator.scatter_add_(2, target[..., None].expand_as(contribution), contribution)
+                kept.copy_(torch.where(received, numerator / denominator[..., None], kept.float()))
         absorbed = layer.slot_state.get(MERGES)
         if absorbed is None:
-            absorbed = layer.slot_state[MERGES] = torch.zeros(keys.shape[:3], dtype=torch.int32, device=keys.device)
-        absorbed.scatter_add_(2, target, merged.int())
+            layer.slot_state[MERGES] = hits
+        else:
+            absorbed += hits
         return merged.sum((1, 2))
 
 
