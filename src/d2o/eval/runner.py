@@ -8,6 +8,7 @@ decodes greedily through the library's one decoding path.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from d2o.budget import Budget
@@ -53,15 +54,15 @@ class Runner:
     def cache(self, method: str, budget: Budget) -> CompressedCache:
         return CompressedCache(self.model, self.methods[method], budget)
 
-    def answer(self, task, sample, ids: list[int], todo: list[Run]) -> list[Outcome]:
-        """Every run of ``todo`` answers ``sample`` (greedy); one prefill shared where methods allow."""
+    def answer(self, task, sample, ids: list[int], todo: list[Run]) -> Iterator[Outcome]:
+        """Every run of ``todo`` answers ``sample`` (greedy), yielded as each finishes; one prefill
+        shared where methods allow."""
         shareable = [name for name in dict.fromkeys(run.method for run in todo)
                      if not self.methods[name].repeats_kv_heads]
         prefill = None
         if self.shared_prefill and shareable:
             prefill = SharedPrefill(self.model, [self.methods[name] for name in shareable])
             shared = self._prefill(prefill.cache, ids, sample)
-        outcomes = []
         for run in todo:
             start = time.perf_counter()
             if prefill is not None and run.method in shareable:
@@ -73,9 +74,8 @@ class Runner:
                 prefill_seconds = batch.sequences[0].prefill_seconds
             sequence = batch.run()[0]
             text = sequence.text.strip()
-            outcomes.append(Outcome(run, text, task.score(text, sample), sequence.report,
-                                    time.perf_counter() - start, prefill_seconds))
-        return outcomes
+            yield Outcome(run, text, task.score(text, sample), sequence.report, time.perf_counter() - start,
+                          prefill_seconds)
 
     def _sequence(self, sample) -> Sequence:
         return Sequence(self.tokenizer, sample.max_new_tokens, stop_ids=self.stop_ids, stop_strings=sample.stop)

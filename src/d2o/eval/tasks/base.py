@@ -42,8 +42,9 @@ class Task:
         """The sample's prompt as token ids."""
         return tokenizer(sample.prompt, add_special_tokens=sample.special_tokens).input_ids
 
-    def run(self, runner, sample: Sample, ids: list[int], todo: list) -> list:
-        """Every run of ``todo`` on ``sample``: answered greedily, one prefill shared by the runs."""
+    def run(self, runner, sample: Sample, ids: list[int], todo: list):
+        """Every run of ``todo`` on ``sample``, yielding each outcome as it is done (so a sweep
+        keeps it at once): answered greedily, one prefill shared by the runs."""
         return runner.answer(self, sample, ids, todo)
 
     def settings(self) -> dict:

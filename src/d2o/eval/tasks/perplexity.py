@@ -52,14 +52,12 @@ class Perplexity(Task):
     def run(self, runner, sample, ids, todo):
         from d2o.eval.runner import Outcome  # here, not at import: checking options must not wait for torch
 
-        outcomes = []
         for run in todo:
             start = time.perf_counter()
             cache = runner.cache(run.method, self.cache_budget(run.budget))
             perplexity, curve = self.evaluate(runner.model, ids, cache)
-            outcomes.append(Outcome(run, None, {"perplexity": perplexity}, cache.report(),
-                                    time.perf_counter() - start, None, extra={"curve": curve}))
-        return outcomes
+            yield Outcome(run, None, {"perplexity": perplexity}, cache.report(), time.perf_counter() - start, None,
+                          extra={"curve": curve})
 
     def evaluate(self, model, ids: list[int], cache) -> tuple[float, list[float]]:
         """Perplexity of every token after the first through ``cache``, and per ``window``."""
