@@ -114,7 +114,7 @@ def run_tau(model, method, ids):
         logits = model(input_ids=ids, cache=cache).logits
         for _ in range(5):
             logits = model(input_ids=logits[:, -1:].argmax(-1), cache=cache).logits
-    return [layer.state.tau_history for layer in cache.layers]
+    return [layer.method["tau"] for layer in cache.report().layers]
 
 
 def test_tau_is_reset_for_every_sequence():
@@ -132,7 +132,7 @@ def test_tau_is_reset_for_every_sequence():
         model(input_ids=first, cache=cache)
         cache.reset()
         model(input_ids=second, cache=cache)
-    assert [layer.state.tau_history[0][0] for layer in cache.layers] == [h[0][0] for h in alone]
+    assert [layer.method["tau"][0][0] for layer in cache.report().layers] == [h[0][0] for h in alone]
 
 
 def test_density_statistic_matches_its_definition():

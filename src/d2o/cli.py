@@ -144,42 +144,120 @@ def tasks():
         print(f"{name:<{width}}  {cls.summary}\n{'':<{width}}  options: {options or 'none'}")
 
 
-@bench_app.command("prefill")
-def bench_prefill(
-    model: str = typer.Option("smollm2"),
-    lengths: str = typer.Option("1024,2048,4096", help="Comma-separated prompt lengths in tokens."),
-    method: str = typer.Option("d2o"),
-    budget: str = typer.Option("0.2", help=BUDGET_HELP),
-    repeats: int = typer.Option(1, help="Alternating repeats per length (median reported)."),
-    eager: bool = typer.Option(False, "--eager", help="Also time eager attention (slow at 4K)."),
-    as_json: bool = typer.Option(False, "--json"),
-):
-    """Prefill time of METHOD over plain SDPA, and the statistics' peak extra memory."""
-    parsed = Budget.parse(budget), split_list(lengths, int)
+MODEL = typer.Option("smollm2", help="'smollm2' (embedded) or a local model folder.")
+SHAPE = typer.Option(None, help="Random weights of a shape instead of --model: smollm2, llama-3-8b, tiny.")
+POSITIONS = typer.Option(None, help="With --shape: the model's positions (default: as many as the run needs).")
+DEVICE = typer.Option(None, help="cpu or cuda (default: cpu).")
+DTYPE = typer.Option("float32", help="float32, float16 or bfloat16.")
+OUT = typer.Option(Path("out/bench"), help="Folder for the results: Markdown, JSON and PNG.")
+METHODS_HELP = "Comma-separated methods; full is transformers' own cache and attention."
 
-    from d2o.bench.prefill import bench_prefill as run
 
-    net, tokenizer = load(model)
-    print_rows(run(net, tokenizer, parsed[1], method, parsed[0], repeats, eager), as_json)
+def bench_model(model: str, shape: str | None, positions: int, dtype: str, device: str | None):
+    """The model of a benchmark and its tokenizer (None for random weights)."""
+    if shape is not None:
+        from d2o.bench.models import random_model
+
+        return random_model(shape, positions, dtype, device), None
+    return load(model, dtype=dtype, device=device)
 
 
 @bench_app.command("decode")
 def bench_decode(
-    model: str = typer.Option("smollm2"),
+    methods: str = typer.Option("full,h2o,snapkv,streamingllm,d2o", help=METHODS_HELP),
+    budget: str = typer.Option("0.2", help=BUDGET_HELP),
     lengths: str = typer.Option("1024,4096", help="Comma-separated prompt lengths in tokens."),
+    batch: str = typer.Option("1", help="Comma-separated batch sizes."),
+    steps: int = typer.Option(32, help="Decode steps timed per run."),
+    repeats: int = typer.Option(1, help="Alternating repeats (median reported)."),
+    model: str = MODEL, shape: Optional[str] = SHAPE, positions: Optional[int] = POSITIONS,
+    dtype: str = DTYPE, device: Optional[str] = DEVICE, out: Path = OUT,
+):
+    """ms per decode step, tokens/s and KV bytes of each method against the full cache, per context and batch."""
+    names, parsed, sizes = split_list(methods), Budget.parse(budget), split_list(lengths, int)
+    batches = split_list(batch, int)
+
+    from d2o.bench import plots
+    from d2o.bench.decode import bench_decode as run
+    from d2o.bench.output import emit
+
+    net, tokenizer = bench_model(model, shape, positions or max(sizes) + steps + 1, dtype, device)
+    rows = run(net, tokenizer, names, sizes, batches, parsed, steps, repeats)
+    setting = dict(model=shape or model, dtype=dtype, budget=str(parsed), steps=steps, repeats=repeats)
+    emit(rows, f"Decoding: {shape or model}, {dtype}, budget {parsed}, median of {repeats}", "decode", out, setting)
+    plots.decode_plots(rows, out)
+
+
+@bench_app.command("fit")
+def bench_fit(
+    kv_memory: str = typer.Option(..., help="The KV cache memory cap, e.g. 256MB or 1GiB."),
+    prompt: int = typer.Option(2048, help="Prompt tokens per sequence."),
+    generate: int = typer.Option(512, help="Tokens generated per sequence."),
+    methods: str = typer.Option("full,h2o,d2o", help=METHODS_HELP),
+    budget: str = typer.Option("0.2", help=BUDGET_HELP),
+    model: str = MODEL, shape: Optional[str] = SHAPE, positions: Optional[int] = POSITIONS,
+    dtype: str = DTYPE, device: Optional[str] = DEVICE, out: Path = OUT,
+):
+    """The largest batch each method fits under a KV memory cap, and the tokens/s it reaches there."""
+    from d2o.options import parse_bytes
+
+    cap, names, parsed = parse_bytes(kv_memory), split_list(methods), Budget.parse(budget)
+
+    from d2o.bench import plots
+    from d2o.bench.fit import bench_fit as run
+    from d2o.bench.output import emit
+
+    net, tokenizer = bench_model(model, shape, positions or prompt + generate + 1, dtype, device)
+    rows = run(net, tokenizer, cap, prompt, generate, names, parsed, next(net.parameters()).element_size())
+    setting = dict(model=shape or model, dtype=dtype, kv_memory=cap, prompt=prompt, generate=generate,
+                   budget=str(parsed))
+    emit(rows, f"Throughput under {kv_memory} of KV cache: {shape or model}, {prompt} + {generate} tokens", "fit",
+         out, setting)
+    plots.bars(rows, "decode_tokens_per_s", "decode tokens/s", f"tokens/s under {kv_memory} of KV cache",
+               out / "fit.png")
+
+
+@bench_app.command("prefill")
+def bench_prefill(
+    lengths: str = typer.Option("1024,2048,4096", help="Comma-separated prompt lengths in tokens."),
     method: str = typer.Option("d2o"),
     budget: str = typer.Option("0.2", help=BUDGET_HELP),
-    steps: int = typer.Option(32, help="Decoded tokens timed per run."),
     repeats: int = typer.Option(1, help="Alternating repeats per length (median reported)."),
-    as_json: bool = typer.Option(False, "--json"),
+    eager: bool = typer.Option(False, "--eager", help="Also time transformers' eager attention."),
+    model: str = MODEL, shape: Optional[str] = SHAPE, positions: Optional[int] = POSITIONS,
+    dtype: str = DTYPE, device: Optional[str] = DEVICE, out: Path = OUT,
 ):
-    """Milliseconds per decoded token of METHOD against the full cache, and the KV bytes each holds."""
-    parsed = Budget.parse(budget), split_list(lengths, int)
+    """Prefill time of METHOD over plain SDPA, and the peak memory of each against the S x S matrix."""
+    parsed, sizes = Budget.parse(budget), split_list(lengths, int)
 
-    from d2o.bench.decode import bench_decode as run
+    from d2o.bench import plots
+    from d2o.bench.output import emit
+    from d2o.bench.prefill import bench_prefill as run
 
-    net, tokenizer = load(model)
-    print_rows(run(net, tokenizer, parsed[1], method, parsed[0], steps, repeats), as_json)
+    net, tokenizer = bench_model(model, shape, positions or max(sizes), dtype, device)
+    rows = run(net, tokenizer, sizes, method, parsed, repeats, eager)
+    setting = dict(model=shape or model, dtype=dtype, method=method, budget=str(parsed), repeats=repeats)
+    emit(rows, f"Prefill: {shape or model}, {dtype}, {method} at {parsed} against SDPA", "prefill", out, setting)
+    plots.prefill_plot(rows, method, out)
+
+
+@bench_app.command("throughput")
+def bench_throughput(
+    decode: Path = typer.Option(..., help="The decode.json of a `d2o bench decode` run covering the contexts."),
+    prompt: int = typer.Option(2048, help="Prompt tokens."),
+    generate: int = typer.Option(8192, help="Tokens generated."),
+    out: Path = OUT,
+):
+    """Tokens/s of a long generation, integrated from decode steps measured at several contexts."""
+    from d2o.bench import plots
+    from d2o.bench.output import emit
+    from d2o.bench.throughput import integrate
+
+    if not decode.is_file():
+        raise D2OError(f"decode results {str(decode)!r} not found: run `d2o bench decode --out DIR` first")
+    rows = integrate(json.loads(decode.read_text())["rows"], prompt, generate)
+    emit(rows, f"Throughput of {prompt} + {generate} tokens", "throughput", out, dict(prompt=prompt, generate=generate))
+    plots.bars(rows, "tokens_per_s", "tokens/s", f"{prompt} + {generate} tokens", out / "throughput.png")
 
 
 def load(model: str, **options):
@@ -190,10 +268,6 @@ def load(model: str, **options):
 
     logging.disable_progress_bar()
     return load_model(model, **options)
-
-
-def print_rows(rows: list[dict], as_json: bool) -> None:
-    print(json.dumps(rows, indent=1) if as_json else "\n".join(map(str, rows)))
 
 
 def main() -> None:

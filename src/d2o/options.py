@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from d2o.errors import D2OError
 
 
@@ -46,3 +48,22 @@ def split_list(text: str | None, kind=str) -> tuple | None:
         except ValueError:
             raise D2OError(f"{item!r} in {text!r} is not a {kind.__name__}") from None
     return tuple(items)
+
+
+UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+         "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str | int) -> int:
+    """``"512MB"`` (decimal), ``"2GiB"`` (binary) or a plain number of bytes -> bytes."""
+    if isinstance(text, int):
+        number, unit = text, ""
+    else:
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+        if match is None or match.group(2).lower() not in UNITS:
+            raise D2OError(f"memory size {text!r}: expected a number with a unit such as 512MB, 2GiB or 1000000")
+        number, unit = float(match.group(1)), match.group(2).lower()
+    size = int(number * UNITS[unit])
+    if size <= 0:
+        raise D2OError(f"memory size {text!r} must be positive")
+    return size

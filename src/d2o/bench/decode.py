@@ -1,46 +1,95 @@
-"""Decoding speed and KV memory: METHOD at a budget against the full cache, alternately in one process."""
+"""Decoding speed and KV memory of several methods against the full cache, in one process.
+
+Every (length, batch) cell prefills one prompt once per kind of cache (the stock transformers
+cache for ``full``; one shared prefill forked per method for the others), repeats that row to
+the batch size and times ``steps`` decode steps; methods alternate within each repeat, so drifts
+in machine load hit all alike. The full cache is transformers' own ``DynamicCache`` under its own
+SDPA attention: the baseline a user has without d2o.
+"""
 
 from __future__ import annotations
 
+import copy
 import statistics
 
-from d2o.data import essay_tokens
-from d2o.engine.cache import CompressedCache
+import torch
+from transformers import DynamicCache
+
+from d2o.bench.models import prompt_ids, stock_attention
+from d2o.errors import D2OError
 from d2o.methods import get_method
 from d2o.runtime.decoding import Batch, Sequence
 from d2o.runtime.prompts import check_length
+from d2o.runtime.sharing import SharedPrefill
+
+FULL = "full"
 
 
-def _decode(model, tokenizer, ids: list[int], method, budget, steps: int) -> tuple[float, int]:
-    """Seconds per decoded token after a prefill (greedy, fed back, never stopping early), and the
-    cache's KV bytes at the end."""
-    cache = CompressedCache(model, method, budget)
-    batch = Batch.prefill(model, cache, [ids], [Sequence(tokenizer, steps + 1)])
-    batch.run()
-    return statistics.fmean(batch.step_seconds), cache.nbytes
+def kv_bytes(cache) -> int:
+    if hasattr(cache, "nbytes"):
+        return cache.nbytes
+    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers if layer.keys is not None)
 
 
-def bench_decode(model, tokenizer, lengths: list[int], method: str = "d2o", budget="0.2", steps: int = 32,
-                 repeats: int = 1) -> list[dict]:
-    """Per prompt length: median ms per token of the full cache and of ``method``, their ratio, and
-    the KV bytes each holds at the end."""
-    methods = {"full": (get_method("full"), 1.0), method: (get_method(method), budget)}
+def _time_steps(model, cache, first: Batch, batch: int, steps: int) -> tuple[float, int, int | None]:
+    """Median seconds per decode step of ``batch`` copies of ``first``'s row, the KV bytes held at
+    the end and, on a GPU, the peak of all memory allocated meanwhile (weights included)."""
+    device = first.logits.device
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    cache.batch_repeat_interleave(batch)
+    sequences = [Sequence(None, steps + 1) for _ in range(batch)]
+    decoding = Batch(model, cache, sequences, first.logits.expand(batch, -1), first.positions.expand(batch))
+    decoding.run()
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    return statistics.median(decoding.step_seconds), kv_bytes(cache), peak
+
+
+def bench_decode(model, tokenizer, methods: list[str], lengths: list[int], batches: list[int], budget,
+                 steps: int = 32, repeats: int = 1) -> list[dict]:
+    """Per (length, batch, method): ms per decode step, tokens/s, KV bytes, and each against the
+    full cache measured in the same run."""
+    policies = {name: get_method(name) for name in methods if name != FULL}
+    for name, policy in policies.items():
+        policy.check_budget(budget)
+        if policy.repeats_kv_heads:
+            raise D2OError(f"{name} stores KV heads per query head and cannot share a prefill: bench it with full only")
+    vocab = model.config.get_text_config().vocab_size
     rows = []
     for n_tokens in lengths:
         check_length(model, n_tokens, steps)
-        ids = essay_tokens(tokenizer, n_tokens)
-        runs = {name: [] for name in methods}
-        for _ in range(repeats):
-            for name, (policy, held) in methods.items():  # alternate, so drifts in machine load hit both alike
-                runs[name].append(_decode(model, tokenizer, ids, policy, held, steps))
-        full = statistics.median(seconds for seconds, _ in runs["full"])
-        mine = statistics.median(seconds for seconds, _ in runs[method])
-        rows.append({
-            "length": n_tokens,
-            "full_ms_per_token": round(1000 * full, 2),
-            f"{method}_ms_per_token": round(1000 * mine, 2),
-            f"{method}_over_full": round(mine / full, 3),
-            "full_kv_bytes": runs["full"][0][1],
-            f"{method}_kv_bytes": runs[method][0][1],
-        })
+        ids = prompt_ids(tokenizer, vocab, n_tokens)
+        with torch.inference_mode():
+            with stock_attention(model):
+                stock = DynamicCache(config=model.config)
+                stock_first = Batch.prefill(model, stock, [ids], [Sequence(None, 1)])
+            shared = SharedPrefill(model, list(policies.values()))
+            first = Batch.prefill(model, shared.cache, [ids], [Sequence(None, 1)])
+        names = list(policies)
+
+        def run(name: str, batch: int) -> tuple[float, int, int | None]:
+            if name == FULL:
+                with stock_attention(model):
+                    return _time_steps(model, copy.deepcopy(stock), stock_first, batch, steps)
+            return _time_steps(model, shared.fork(names.index(name), budget), first, batch, steps)
+
+        for batch in batches:
+            timings = {name: [] for name in methods}
+            for _ in range(repeats):
+                for name in methods:
+                    timings[name].append(run(name, batch))
+            seconds = {name: statistics.median(run[0] for run in runs) for name, runs in timings.items()}
+            held = {name: runs[0][1] for name, runs in timings.items()}
+            peak = {name: runs[0][2] for name, runs in timings.items()}
+            for name in methods:
+                row = {"length": n_tokens, "batch": batch, "method": name,
+                       "budget": "-" if name == FULL else str(budget),
+                       "ms_per_step": round(1000 * seconds[name], 2),
+                       "tokens_per_s": round(batch / seconds[name], 1), "kv_mib": round(held[name] / 2**20, 1)}
+                if peak[name] is not None:
+                    row["peak_mib"] = round(peak[name] / 2**20, 1)
+                if FULL in seconds:
+                    row["time_vs_full"] = round(seconds[name] / seconds[FULL], 3)
+                    row["kv_vs_full"] = round(held[name] / held[FULL], 3)
+                rows.append(row)
     return rows

@@ -1,5 +1,6 @@
-"""Prefill speed and statistics memory: D2O (SDPA output + exact chunked statistics + compression)
-against plain SDPA prefill, measured alternately in one process."""
+"""Prefill speed and memory: a method's prefill (SDPA output + exact chunked statistics +
+compression) against transformers' plain SDPA prefill, alternately in one process, and the peak
+memory of each against the S x S attention matrix the statistics never build."""
 
 from __future__ import annotations
 
@@ -7,22 +8,36 @@ import statistics
 import time
 
 import torch
+from transformers import DynamicCache
 
-from d2o.bench.memory import peak_allocated_bytes
-from d2o.data import essay_tokens
+from d2o.bench.memory import peak_allocated_bytes, peak_process_bytes
+from d2o.bench.models import prompt_ids, stock_attention
 from d2o.engine.cache import CompressedCache
 from d2o.engine.stats import StatsRequest, attention_stats
 from d2o.methods import get_method
 from d2o.runtime.prompts import check_length
 
+BASELINES = ("sdpa", "eager")
 
-def _timed_prefill(model, ids: torch.Tensor, cache) -> float:
-    start = time.perf_counter()
-    with torch.inference_mode():
-        model(input_ids=ids.to(model.device), cache=cache, use_cache=True, logits_to_keep=1)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return time.perf_counter() - start
+
+def _prefill(model, ids: torch.Tensor, name: str, policy, budget) -> float:
+    """Seconds of one prefill of ``ids`` by ``name``: a stock kernel, or the method."""
+    def run(cache):
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model(input_ids=ids, cache=cache, logits_to_keep=1)
+        if ids.device.type == "cuda":
+            torch.cuda.synchronize(ids.device)
+        return time.perf_counter() - start
+
+    if name not in BASELINES:
+        return run(CompressedCache(model, policy, budget))
+    with stock_attention(model):
+        model.set_attn_implementation(name)
+        try:
+            return run(DynamicCache(config=model.config))
+        finally:
+            model.set_attn_implementation("sdpa")
 
 
 def stats_peak_bytes(model, n_tokens: int) -> int:
@@ -35,42 +50,39 @@ def stats_peak_bytes(model, n_tokens: int) -> int:
     key = torch.randn(1, kv_heads, n_tokens, dim, dtype=dtype, device=model.device)
     valid = torch.ones(1, n_tokens, dtype=torch.bool, device=model.device)
     request = StatsRequest(column_mass=True)
-    return peak_allocated_bytes(lambda: attention_stats(query, key, valid, valid, dim**-0.5, request))
+    per_head = valid[:, None].expand(-1, kv_heads, -1)
+    return peak_allocated_bytes(lambda: attention_stats(query, key, per_head, valid, dim**-0.5, request))
 
 
-def bench_prefill(model, tokenizer, lengths: list[int], method: str = "d2o", budget="0.2",
-                  repeats: int = 1, eager: bool = False) -> list[dict]:
-    """Per length: median seconds of plain SDPA and of ``method`` prefill, their ratio, and the
-    statistics' peak extra memory against the S x S attention matrix eager attention needs."""
-    config = model.config.get_text_config()
-    heads = config.num_attention_heads
-    hooked = config._attn_implementation
+def bench_prefill(model, tokenizer, lengths: list[int], method: str, budget, repeats: int = 1,
+                  eager: bool = False) -> list[dict]:
+    """Per length: median seconds of plain SDPA and of ``method`` prefill and their ratio, the peak
+    memory of each prefill, the statistics' own peak, and the S x S matrix of one layer."""
     policy = get_method(method)
+    policy.check_budget(budget)
+    config = model.config.get_text_config()
+    names = ["sdpa", method] + (["eager"] if eager else [])
     rows = []
     for n_tokens in lengths:
         check_length(model, n_tokens)
-        ids = torch.tensor([essay_tokens(tokenizer, n_tokens)])
-        timings = {"sdpa": [], method: [], **({"eager": []} if eager else {})}
-        for _ in range(repeats):
-            for name in timings:  # alternate, so drifts in machine load hit every variant alike
-                if name == method:
-                    model.set_attn_implementation(hooked)
-                    timings[name].append(_timed_prefill(model, ids, CompressedCache(model, policy, budget)))
+        ids = torch.tensor([prompt_ids(tokenizer, config.vocab_size, n_tokens)], device=model.device)
+        seconds = {name: [] for name in names}
+        peaks = {}
+        for repeat in range(repeats):
+            for name in names:  # alternate, so drifts in machine load hit every variant alike
+                if repeat == 0:  # the first run also measures memory
+                    peaks[name] = peak_process_bytes(
+                        lambda: seconds[name].append(_prefill(model, ids, name, policy, budget)), model.device)
                 else:
-                    model.set_attn_implementation(name)
-                    timings[name].append(_timed_prefill(model, ids, None))
-        model.set_attn_implementation(hooked)
-        seconds = {name: statistics.median(values) for name, values in timings.items()}
-        row = {
-            "length": n_tokens,
-            "sdpa_seconds": round(seconds["sdpa"], 3),
-            f"{method}_seconds": round(seconds[method], 3),
-            f"{method}_over_sdpa": round(seconds[method] / seconds["sdpa"], 3),
-            "stats_peak_bytes": stats_peak_bytes(model, n_tokens),
-            "attention_matrix_bytes": heads * n_tokens * n_tokens * 4,
-        }
+                    seconds[name].append(_prefill(model, ids, name, policy, budget))
+        median = {name: statistics.median(values) for name, values in seconds.items()}
+        row = {"length": n_tokens, "sdpa_s": round(median["sdpa"], 3), f"{method}_s": round(median[method], 3),
+               f"{method}_over_sdpa": round(median[method] / median["sdpa"], 3),
+               "sdpa_peak_mib": round(peaks["sdpa"] / 2**20, 1), f"{method}_peak_mib": round(peaks[method] / 2**20, 1),
+               "stats_peak_mib": round(stats_peak_bytes(model, n_tokens) / 2**20, 1),
+               "attention_matrix_mib": round(config.num_attention_heads * n_tokens**2 * 4 / 2**20, 1)}
         if eager:
-            row["eager_seconds"] = round(seconds["eager"], 3)
-            row["eager_over_sdpa"] = round(seconds["eager"] / seconds["sdpa"], 3)
+            row["eager_s"] = round(median["eager"], 3)
+            row["eager_over_sdpa"] = round(median["eager"] / median["sdpa"], 3)
         rows.append(row)
     return rows

@@ -44,36 +44,36 @@ def _make_attention(backend: str):
         layer = claim_active_layer(key)
         if attention_mask is not None and attention_mask.dim() != 2:
             raise D2OError("d2o's attention takes a 2D padding mask (batch, tokens), not a prepared 4D mask")
-        n_query, n_keys = query.shape[2], key.shape[2]
-        padding = attention_mask
-        if padding is None:  # nothing padded
-            padding = query.new_ones((query.shape[0], n_keys), dtype=torch.bool)
+        batch, n_query, n_keys = query.shape[0], query.shape[2], key.shape[2]
+        window = kwargs.get("sliding_window")
         if layer is not None:
-            new_valid = padding[:, -n_query:]
-            layer.admit(new_valid)
+            layer.admit(None if attention_mask is None else attention_mask[:, -n_query:])
             kv_valid = layer.valid  # (B, G, N)
             positions = layer.token_index
-            query_positions = positions[:, :1].gather(2, layer.fresh_slots(n_query)[:, :1])  # (B, 1, q)
+            if window is not None:
+                query_positions = positions[:, :1].gather(2, layer.fresh_slots(n_query)[:, :1])  # (B, 1, q)
         else:  # no d2o cache (plain DynamicCache, or none): slots are the padded token stream
-            kv_valid = padding[:, None, -n_keys:]
-            new_valid = kv_valid[:, 0, -n_query:]
-            positions = torch.arange(n_keys, device=query.device).expand(query.shape[0], 1, n_keys)
+            kv_valid = (query.new_ones((batch, n_keys), dtype=torch.bool) if attention_mask is None
+                        else attention_mask[:, -n_keys:].bool())[:, None]
+            positions = torch.arange(n_keys, device=query.device).expand(batch, 1, n_keys)
             query_positions = positions[:, :, n_keys - n_query:]
+        new_valid = None if attention_mask is None else attention_mask[:, -n_query:].bool()  # None: all real
         if key.shape[1] != query.shape[1] // module.num_key_value_groups:  # KV heads stored repeated
             module = _Grouping(module, query.shape[1] // key.shape[1])
-        window_mask = _sliding_window(kwargs.get("sliding_window"), kv_valid, positions, query_positions)
+        window_mask = None if window is None else _sliding_window(window, positions, query_positions)
         scaling = module.scaling if scaling is None else scaling
+        every_slot = window_mask is None and bool(kv_valid.all())
         request = None
         if layer is not None and layer.observing:
             request = layer.cache.policy.stats_request(layer, n_query)
         if request is not None and n_query == 1 and window_mask is None:
-            output, stats = _one_query_attention(query, key, value, kv_valid, new_valid, scaling)
+            output, stats = _one_query_attention(query, key, value, None if every_slot else kv_valid, new_valid,
+                                                 scaling)
             layer.cache.policy.observe(layer, stats)
             return output, None
 
         mask = None
-        simple = window_mask is None and bool(kv_valid.all())
-        if not simple or (backend == "eager" and n_query > 1) or n_query not in (1, n_keys):
+        if not every_slot or (backend == "eager" and n_query > 1) or n_query not in (1, n_keys):
             shared = kv_valid[:, :1] if bool((kv_valid == kv_valid[:, :1]).all()) else kv_valid
             mask = allowed_keys(shared, 0, n_query, n_query, n_keys, window_mask)  # (B, 1|G, q, N)
             if mask.shape[1] > 1:  # slots differ between KV heads: one mask per query head
@@ -89,6 +89,8 @@ def _make_attention(backend: str):
 
         if request is not None:
             per_head = kv_valid.expand(-1, key.shape[1], -1)
+            if new_valid is None:
+                new_valid = kv_valid.new_ones((batch, n_query))
             stats = attention_stats(query, key, per_head, new_valid, scaling, request, window_mask)
             layer.cache.policy.observe(layer, stats)
         return output, None
@@ -100,18 +102,19 @@ def _make_attention(backend: str):
 def _one_query_attention(query, key, value, kv_valid, new_valid, scaling):
     """One new query per row (a decode step), when the policy wants statistics: the attention
     probabilities (in float32 at least), the output from them, and the statistics for free (for
-    one query, its probabilities are both the column mass and the last window row)."""
+    one query, its probabilities are both the column mass and the last window row). ``kv_valid``
+    (B, G, N) masks empty slots; None when every slot holds a token."""
     batch, heads, _, dim = query.shape
     kv_heads = key.shape[1]
     dtype = torch.promote_types(query.dtype, torch.float32)
     queries = query.to(dtype).view(batch, kv_heads, heads // kv_heads, dim) * scaling
     scores = torch.matmul(queries, key.to(dtype).transpose(-1, -2))  # (B, G, group, N)
-    if not bool(kv_valid.all()):
+    if kv_valid is not None:
         scores.masked_fill_(~kv_valid[:, :, None, :], torch.finfo(dtype).min)
     probs = torch.softmax(scores, dim=-1)
     output = torch.matmul(probs, value.to(dtype)).to(query.dtype).view(batch, 1, heads, value.shape[-1])
     probs = probs.float()
-    if not bool(new_valid.all()):  # a padding query observes nothing
+    if new_valid is not None and not bool(new_valid.all()):  # a padding query observes nothing
         probs = probs * new_valid[:, :, None, None]
     return output, AttentionStats(1, column_mass=probs, window=probs[:, :, :, None, :])
 
@@ -126,12 +129,10 @@ class _Grouping:
         self.scaling = module.scaling
 
 
-def _sliding_window(window, kv_valid, positions, query_pos):
+def _sliding_window(window, positions, query_pos):
     """A callable adding a sliding window to `allowed_keys`, or None when the window changes nothing.
 
     ``positions`` (B, G|1, N): each slot's token index; ``query_pos`` (B, 1, q): the new tokens'."""
-    if window is None:
-        return None
     newest = query_pos.max()
     if bool(newest - positions.masked_fill(positions < 0, newest).min() < window):
         return None

@@ -168,7 +168,7 @@ class CompressedCache(Cache):
             excess = layer.n_kept - target
             most = int(excess.max())
             if most == 1 and layer.owns_storage:  # a decode step: one slot per row and head, freed in place
-                self._evict_one(layer, target, excess > 0)
+                self._evict_one(layer, target, None if int(excess.min()) == 1 else excess > 0)
             elif most > 0:
                 self._compress_layer(layer, target)
 
@@ -217,14 +217,15 @@ class CompressedCache(Cache):
         if evicted is not None:
             layer.merged += policy.merge.merge(layer, evicted)
 
-    def _evict_one(self, layer: CompressedLayer, target: torch.Tensor, rows: torch.Tensor) -> None:
-        """Evict one token per KV head from each of the rows ``rows`` (B,) bool: the one
-        ``select_kept`` would leave out. Its slot is only marked empty; nothing is copied."""
+    def _evict_one(self, layer: CompressedLayer, target: torch.Tensor, rows: torch.Tensor | None) -> None:
+        """Evict one token per KV head from each of the rows ``rows`` (B,) bool (None: every row):
+        the one ``select_kept`` would leave out. Its slot is only marked empty; nothing is copied."""
         policy = self.policy
         victim = select_victim(policy.score(layer).float(), policy.protected(layer, target), layer.token_index)
         evicted = None
         if policy.merge is not None:
-            evicted = layer.evicted(victim[..., None], rows[:, None])
+            evicting = torch.ones_like(target, dtype=torch.bool) if rows is None else rows
+            evicted = layer.evicted(victim[..., None], evicting[:, None])
         layer.drop(victim, rows)
         if evicted is not None:
             layer.merged += policy.merge.merge(layer, evicted)

@@ -50,41 +50,45 @@ def claim_active_layer(key: torch.Tensor) -> CompressedLayer | None:
 class RowState:
     """Base of a method's per-layer state, whose fields hold one entry per row of the batch.
 
-    A tensor field is (batch, ...); a list field holds one item per row (a row's history, say).
-    Selecting rows (a finished request leaves) and joining caches (a request joins a running
-    batch) map every field that way, so a method's state needs no code of its own for either.
+    A tensor field is (batch, ...) (None until first set); a list field is a history, one (batch,)
+    tensor per event. Selecting rows (a finished request leaves) and joining caches (a request
+    joins a running batch) map every field that way, so a method's state needs no code of its own
+    for either; in a join, what a cache had not set yet is NaN for its rows.
     """
 
-    def map_rows(self, fn, pick) -> RowState:
-        """``fn`` applied to tensor fields, ``pick`` (a function of a list) to list fields."""
-        return replace(self, **{f.name: _map_field(getattr(self, f.name), fn, pick) for f in fields(self)})
+    def map_rows(self, fn) -> RowState:
+        """``fn`` (a function of a (batch, ...) tensor) applied to every per-row tensor."""
+        return replace(self, **{f.name: _map_field(getattr(self, f.name), fn) for f in fields(self)})
 
     @classmethod
     def concat(cls, states: list[RowState], rows: list[int]) -> RowState:
-        """The states of caches of ``rows`` rows each, one after the other. A field a cache has
-        not set yet (None) stands for NaN in its rows (a tensor field) or empty lists (a list field)."""
+        """The states of caches of ``rows`` rows each, one after the other."""
         joined = {}
         for f in fields(cls):
             parts = [getattr(state, f.name) for state in states]
-            example = next((part for part in parts if part is not None), None)
-            if isinstance(example, torch.Tensor):
-                joined[f.name] = torch.cat([
-                    part if part is not None else example.new_full((n, *example.shape[1:]), math.nan)
-                    for part, n in zip(parts, rows)
-                ])
-            elif isinstance(example, list):
-                joined[f.name] = [item for part, n in zip(parts, rows)
-                                  for item in (part if part is not None else [[] for _ in range(n)])]
+            if all(isinstance(part, list) for part in parts):  # histories, aligned on their latest event
+                longest = max(len(part) for part in parts)
+                padded = [[None] * (longest - len(part)) + part for part in parts]
+                joined[f.name] = [_cat_rows(events, rows) for events in zip(*padded)]
             else:
-                joined[f.name] = example
+                joined[f.name] = _cat_rows(parts, rows)
         return cls(**joined)
 
 
-def _map_field(value, fn, pick):
+def _cat_rows(parts: list, rows: list[int]):
+    """Per-row tensors of several caches one after the other; a missing one (None) is NaN."""
+    example = next((part for part in parts if isinstance(part, torch.Tensor)), None)
+    if example is None:
+        return parts[0]
+    return torch.cat([part if part is not None else example.new_full((n, *example.shape[1:]), math.nan)
+                      for part, n in zip(parts, rows)])
+
+
+def _map_field(value, fn):
     if isinstance(value, torch.Tensor):
         return fn(value)
     if isinstance(value, list):
-        return pick(value)
+        return [fn(item) for item in value]
     return value
 
 
@@ -115,6 +119,7 @@ class CompressedLayer(CacheLayerMixin):
         self.merged: torch.Tensor | None = None  # (B,) evicted (token, KV head) pairs merged so far
         self.pending = 0  # tokens appended by `update` that the attention hook has not admitted yet
         self.written: torch.Tensor | None = None  # (B, G, 1): where `update` wrote a token in place
+        self.holes: torch.Tensor | None = None  # (B, G): slots the last eviction emptied in every row
         # False once allocated when the layer can never evict: its statistics are then not needed.
         self.observing = True
         # False while the tensors are shared with another cache (a fork): never written in place then.
@@ -144,7 +149,10 @@ class CompressedLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.pending = key_states.shape[-2]
-        free = self.free_slots() if self.pending == 1 else None
+        free = None
+        if self.pending == 1:
+            free = self.holes if self.holes is not None and self.owns_storage else self.free_slots()
+        self.holes = None
         if free is not None:  # one token per row and KV head, into a free slot: nothing is copied
             rows, heads = self.grid()
             self.keys[rows, heads, free] = key_states[:, :, 0]
@@ -206,7 +214,6 @@ class CompressedLayer(CacheLayerMixin):
         if not self.is_initialized:
             return
         index = torch.as_tensor(index, dtype=torch.long, device=self.keys.device)
-        rows = index.tolist()
 
         def fn(tensor: torch.Tensor) -> torch.Tensor:
             return tensor.index_select(0, index)
@@ -217,8 +224,9 @@ class CompressedLayer(CacheLayerMixin):
             self.budget = fn(self.budget)
         self.slot_state = {name: fn(t) for name, t in self.slot_state.items()}
         if self.state is not None:
-            self.state = self.state.map_rows(fn, lambda items: [items[row] for row in rows])
+            self.state = self.state.map_rows(fn)
         self.owns_storage = True
+        self.holes = None
 
     def join(self, others: list[CompressedLayer]) -> None:
         """Append the rows of ``others`` (layers of caches of the same policy) to this layer's;
@@ -246,14 +254,19 @@ class CompressedLayer(CacheLayerMixin):
             self.state = type(self.state).concat([layer.state for layer in layers], rows)
         self.seen = max(layer.seen for layer in layers)
         self.owns_storage = True
+        self.holes = None
 
     # -- what the attention hook and the methods use --------------------------------------------
-    def admit(self, new_valid: torch.Tensor) -> None:
-        """Record the tokens ``update`` appended: ``new_valid`` (B, q) is False for padding."""
+    def admit(self, new_valid: torch.Tensor | None) -> None:
+        """Record the tokens ``update`` added: ``new_valid`` (B, q) is False for padding (None: all real)."""
         q = self.pending
         batch, heads = self.keys.shape[:2]
-        index = self.real_seen[:, None] + new_valid.long().cumsum(-1) - 1
-        index = index.masked_fill(~new_valid, -1)
+        if new_valid is None:
+            index = self.real_seen[:, None] + torch.arange(q, device=self.real_seen.device)
+            added = q
+        else:
+            index = (self.real_seen[:, None] + new_valid.long().cumsum(-1) - 1).masked_fill(~new_valid, -1)
+            added = new_valid.sum(-1)
         if self.written is not None:
             row_index, head_index = self.grid()
             slot = self.written[..., 0]
@@ -265,7 +278,7 @@ class CompressedLayer(CacheLayerMixin):
             for name, state in self.slot_state.items():
                 fresh = state.new_zeros((*state.shape[:2], q, *state.shape[3:]))
                 self.slot_state[name] = torch.cat([state, fresh], dim=2)
-        self.real_seen = self.real_seen + new_valid.sum(-1)
+        self.real_seen = self.real_seen + added
         self.seen += q
         self.pending = 0
 
@@ -295,20 +308,28 @@ class CompressedLayer(CacheLayerMixin):
 
     def evicted(self, slots: torch.Tensor, valid: torch.Tensor) -> Evicted:
         """Copies of what the slots (B, G, E) hold, before they are evicted; ``valid`` (B, E)."""
-        return Evicted(
-            keys=take_slots(self.keys, slots),
-            values=take_slots(self.values, slots),
-            token_index=self.token_index.gather(2, slots),
-            valid=valid,
-            slot_state={name: take_slots(state, slots) for name, state in self.slot_state.items()},
-        )
+        if slots.shape[-1] == 1:  # a decode step's one slot per row and head: plain indexing
+            row_index, head_index = self.grid()
+            one = slots[..., 0]
 
-    def drop(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
-        """Empty the slot ``slots`` (B, G) of every KV head of the rows ``rows`` (B,) bool, in place:
-        the next token of such a row is written there."""
-        grid_rows, heads = self.grid()
-        current = self.token_index[grid_rows, heads, slots]
-        self.token_index[grid_rows, heads, slots] = torch.where(rows[:, None], -1, current)
+            def take(tensor: torch.Tensor) -> torch.Tensor:
+                return tensor[row_index, head_index, one].unsqueeze(2)
+        else:
+            def take(tensor: torch.Tensor) -> torch.Tensor:
+                return take_slots(tensor, slots)
+        return Evicted(keys=take(self.keys), values=take(self.values), token_index=take(self.token_index),
+                       valid=valid, slot_state={name: take(state) for name, state in self.slot_state.items()})
+
+    def drop(self, slots: torch.Tensor, rows: torch.Tensor | None) -> None:
+        """Empty the slot ``slots`` (B, G) of every KV head of the rows ``rows`` (B,) bool (None:
+        every row), in place: the next token of such a row is written there."""
+        row_index, head_index = self.grid()
+        if rows is None:
+            self.token_index[row_index, head_index, slots] = -1
+            self.holes = slots
+        else:
+            current = self.token_index[row_index, head_index, slots]
+            self.token_index[row_index, head_index, slots] = torch.where(rows[:, None], -1, current)
 
     def keep(self, keep: torch.Tensor, keep_valid: torch.Tensor) -> None:
         """Shrink to the slots ``keep`` (B, G, K), gathered into new tensors; ``keep_valid`` (B, K)
@@ -323,3 +344,4 @@ class CompressedLayer(CacheLayerMixin):
         self.keys, self.values = keys, values
         self.slot_state = {name: take_slots(state, keep) for name, state in self.slot_state.items()}
         self.owns_storage = True
+        self.holes = None

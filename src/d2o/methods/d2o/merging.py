@@ -13,7 +13,7 @@ starts afresh with every cache (the released code carries it from one prompt to 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,7 +33,7 @@ class MergeState(RowState):
     """Per layer: the merge threshold of each row (NaN before its first eviction) and its history."""
 
     tau: torch.Tensor | None = None  # (B,)
-    tau_history: list[list[float]] | None = None  # per row, one value per eviction that evicted anything
+    tau_history: list[torch.Tensor] = field(default_factory=list)  # (B,) per eviction; NaN: the row evicted none
 
 
 @dataclass
@@ -59,10 +59,13 @@ class SimilarityMerge:
         return MergeState()
 
     def report(self, layer) -> dict[str, list]:
-        state = layer.state
+        """Per row: its threshold at each eviction, and the most evicted tokens one slot absorbed."""
+        history = torch.stack(layer.state.tau_history, dim=1).tolist() if layer.state.tau_history else None
+        rows = layer.merged.shape[0]
+        taus = [[t for t in row if t == t] for row in history] if history else [[] for _ in range(rows)]
         merges = layer.slot_state.get(MERGES)
-        most = merges.flatten(1).amax(-1).tolist() if merges is not None and merges.numel() else [0] * len(layer.merged)
-        return {"tau": state.tau_history or [[] for _ in most], "most_merges_in_a_slot": most}
+        most = merges.flatten(1).amax(-1).tolist() if merges is not None and merges.numel() else [0] * rows
+        return {"tau": taus, "most_merges_in_a_slot": most}
 
     def merge(self, layer, evicted: Evicted) -> torch.Tensor:
         keys, values = layer.keys, layer.values
@@ -73,24 +76,23 @@ class SimilarityMerge:
         best, target = most_similar(gone_basis, kept_basis, layer.valid)  # (B, G, E)
         gone = evicted.valid[:, None, :]  # (B, 1, E)
 
-        # One threshold per row: EMA of the mean best similarity over heads and evicted tokens.
+        # One threshold per row: EMA of the mean best similarity over heads and evicted tokens; a row
+        # that evicted nothing keeps its threshold.
         count = evicted.valid.sum(-1) * heads
         mean_best = (best * gone).sum((1, 2)) / count.clamp_min(1)
         state = layer.state
-        previous = state.tau if state.tau is not None else torch.full_like(mean_best, math.nan)
-        tau = torch.where(previous.isnan(), mean_best, self.alpha * previous + (1 - self.alpha) * mean_best)
-        tau = torch.where(count > 0, tau, previous)  # a row that evicted nothing keeps its threshold
-        state.tau = tau
-        if state.tau_history is None:
-            state.tau_history = [[] for _ in range(batch)]
-        for history, value, evicting in zip(state.tau_history, tau.tolist(), (count > 0).tolist()):
-            if evicting:
-                history.append(value)
+        if state.tau is None:
+            tau = mean_best
+        else:
+            ema = self.alpha * state.tau + (1 - self.alpha) * mean_best
+            tau = torch.where(state.tau.isnan(), mean_best, ema)
+        state.tau = torch.where(count > 0, tau, state.tau if state.tau is not None else math.nan)
+        state.tau_history.append(torch.where(count > 0, tau, math.nan))
 
         if self.decision == "per_head":
-            merged = (best >= tau[:, None, None]) & gone
+            merged = (best >= state.tau[:, None, None]) & gone
         else:
-            merged = ((best * gone).mean(1, keepdim=True) >= tau[:, None, None]) & gone
+            merged = ((best * gone).mean(1, keepdim=True) >= state.tau[:, None, None]) & gone
             merged = merged.expand_as(best)
 
         if self.weighting == "paper":
@@ -100,8 +102,7 @@ class SimilarityMerge:
             source_weight = torch.where(merged, best, 0.0)
             self_weight = 1.0
         counts = merged.float() if self.weighting == "official" else source_weight
-        hits = torch.zeros(keys.shape[:3], dtype=torch.int32, device=keys.device).scatter_add_(2, target, merged.int())
-        # Each kept slot c that received merges becomes (w_c * c + sum_e w_e * e) / (w_c + sum_e counts_e);
+        # Each kept slot c that receives tokens becomes (w_c * c + sum_e w_e * e) / (w_c + sum_e counts_e);
         # the others are left as they are.
         if width == 1:  # a decode step: at most one evicted token per row and head, so one target
             row_index, head_index = layer.grid()
@@ -109,22 +110,22 @@ class SimilarityMerge:
             denominator = self_weight + counts[..., 0, None]
             for kept, sources in ((keys, evicted.keys), (values, evicted.values)):
                 current = kept[row_index, head_index, slot]
-                blended = (current.float() * self_weight + sources[:, :, 0].float() * source_weight[..., 0, None])
+                blended = current.float() * self_weight + sources[:, :, 0].float() * source_weight[..., 0, None]
                 kept[row_index, head_index, slot] = torch.where(hit, (blended / denominator).to(kept.dtype), current)
         else:
-            received = (hits > 0)[..., None]
+            received = torch.zeros(keys.shape[:3], dtype=torch.int32, device=keys.device)
+            received.scatter_add_(2, target, merged.int())
             denominator = torch.full(keys.shape[:3], self_weight, dtype=torch.float32, device=keys.device)
             denominator.scatter_add_(2, target, counts)
             for kept, sources in ((keys, evicted.keys), (values, evicted.values)):
                 numerator = kept.float() * self_weight
                 contribution = sources.float() * source_weight[..., None]
                 numerator.scatter_add_(2, target[..., None].expand_as(contribution), contribution)
-                kept.copy_(torch.where(received, numerator / denominator[..., None], kept.float()))
+                kept.copy_(torch.where(received[..., None] > 0, numerator / denominator[..., None], kept.float()))
         absorbed = layer.slot_state.get(MERGES)
         if absorbed is None:
-            layer.slot_state[MERGES] = hits
-        else:
-            absorbed += hits
+            absorbed = layer.slot_state[MERGES] = torch.zeros(keys.shape[:3], dtype=torch.int32, device=keys.device)
+        absorbed.scatter_add_(2, target, merged.int())
         return merged.sum((1, 2))
 
 

@@ -1,0 +1,47 @@
+"""Throughput of a long generation from decode steps measured at a few context lengths.
+
+Generating G tokens after a P-token prompt takes the sum of G step times; a step's time depends
+on what the cache holds, which grows with the context for the full cache and stays at the
+budget for an evicting method (held to a token budget, it holds the same whatever the prompt).
+``bench decode`` measures steps at several contexts; this integrates them over P..P+G
+(piecewise linear between measured contexts) into tokens/s per method and batch.
+"""
+
+from __future__ import annotations
+
+from d2o.errors import D2OError
+
+
+def integrate(rows: list[dict], prompt: int, generate: int) -> list[dict]:
+    """Tokens/s of ``generate`` tokens after ``prompt`` per (method, batch), from ``bench decode``
+    rows measured at contexts covering [prompt, prompt + generate]."""
+    cells: dict[tuple, dict[int, dict]] = {}
+    for row in rows:
+        cells.setdefault((row["method"], row["budget"], row["batch"]), {})[row["length"]] = row
+    out = []
+    for (method, budget, batch), by_length in cells.items():
+        lengths = sorted(by_length)
+        if lengths[0] > prompt or lengths[-1] < prompt + generate - 1:
+            raise D2OError(f"{method} at batch {batch}: contexts {lengths[0]}..{lengths[-1]} do not cover "
+                           f"{prompt}..{prompt + generate - 1}")
+        seconds = sum(_step_seconds(by_length, lengths, prompt + step) for step in range(generate))
+        last = by_length[lengths[-1]]
+        row = {"method": method, "budget": budget, "batch": batch, "prompt": prompt, "generate": generate,
+               "seconds": round(seconds, 2), "tokens_per_s": round(batch * generate / seconds, 1),
+               "kv_mib_at_end": last["kv_mib"]}
+        if "peak_mib" in last:
+            row["peak_mib"] = last["peak_mib"]
+        out.append(row)
+    full = {row["batch"]: row for row in out if row["method"] == "full"}
+    for row in out:
+        if row["batch"] in full:
+            row["vs_full_same_batch"] = round(row["tokens_per_s"] / full[row["batch"]]["tokens_per_s"], 2)
+    return out
+
+
+def _step_seconds(by_length: dict[int, dict], lengths: list[int], context: int) -> float:
+    for low, high in zip(lengths, lengths[1:]):
+        if low <= context <= high:
+            weight = (context - low) / (high - low)
+            return ((1 - weight) * by_length[low]["ms_per_step"] + weight * by_length[high]["ms_per_step"]) / 1000
+    return by_length[lengths[-1]]["ms_per_step"] / 1000
