@@ -153,8 +153,18 @@ OUT = typer.Option(Path("out/bench"), help="Folder for the results: Markdown, JS
 METHODS_HELP = "Comma-separated methods; full is transformers' own cache and attention."
 
 
-def bench_model(model: str, shape: str | None, positions: int, dtype: str, device: str | None):
-    """The model of a benchmark and its tokenizer (None for random weights)."""
+def bench_model(model: str, shape: str | None, positions: int, dtype: str, device: str | None,
+                methods: tuple[str, ...], budget: Budget):
+    """The model of a benchmark and its tokenizer (None for random weights), once the methods, the
+    budget and the shape are known to be good."""
+    from d2o.bench.models import SHAPES
+    from d2o.methods import get_method
+
+    for name in methods:
+        if name != "full":
+            get_method(name).check_budget(budget)
+    if shape is not None and shape not in SHAPES:
+        raise D2OError(f"unknown shape {shape!r}; choose one of: {', '.join(SHAPES)}")
     if shape is not None:
         from d2o.bench.models import random_model
 
@@ -181,7 +191,7 @@ def bench_decode(
     from d2o.bench.decode import bench_decode as run
     from d2o.bench.output import emit
 
-    net, tokenizer = bench_model(model, shape, positions or max(sizes) + steps + 1, dtype, device)
+    net, tokenizer = bench_model(model, shape, positions or max(sizes) + steps + 1, dtype, device, names, parsed)
     rows = run(net, tokenizer, names, sizes, batches, parsed, steps, repeats)
     setting = dict(model=shape or model, dtype=dtype, budget=str(parsed), steps=steps, repeats=repeats)
     emit(rows, f"Decoding: {shape or model}, {dtype}, budget {parsed}, median of {repeats}", "decode", out, setting)
@@ -207,7 +217,7 @@ def bench_fit(
     from d2o.bench.fit import bench_fit as run
     from d2o.bench.output import emit
 
-    net, tokenizer = bench_model(model, shape, positions or prompt + generate + 1, dtype, device)
+    net, tokenizer = bench_model(model, shape, positions or prompt + generate + 1, dtype, device, names, parsed)
     rows = run(net, tokenizer, cap, prompt, generate, names, parsed, next(net.parameters()).element_size())
     setting = dict(model=shape or model, dtype=dtype, kv_memory=cap, prompt=prompt, generate=generate,
                    budget=str(parsed))
@@ -234,7 +244,7 @@ def bench_prefill(
     from d2o.bench.output import emit
     from d2o.bench.prefill import bench_prefill as run
 
-    net, tokenizer = bench_model(model, shape, positions or max(sizes), dtype, device)
+    net, tokenizer = bench_model(model, shape, positions or max(sizes), dtype, device, (method,), parsed)
     rows = run(net, tokenizer, sizes, method, parsed, repeats, eager)
     setting = dict(model=shape or model, dtype=dtype, method=method, budget=str(parsed), repeats=repeats)
     emit(rows, f"Prefill: {shape or model}, {dtype}, {method} at {parsed} against SDPA", "prefill", out, setting)

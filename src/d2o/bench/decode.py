@@ -85,7 +85,7 @@ def bench_decode(model, tokenizer, methods: list[str], lengths: list[int], batch
                 row = {"length": n_tokens, "batch": batch, "method": name,
                        "budget": "-" if name == FULL else str(budget),
                        "ms_per_step": round(1000 * seconds[name], 2),
-                       "tokens_per_s": round(batch / seconds[name], 1), "kv_mib": round(held[name] / 2**20, 1)}
+                       "tokens_per_s": round(batch / seconds[name], 1), "kv_mib": round(held[name] / 2**20, 3)}
                 if peak[name] is not None:
                     row["peak_mib"] = round(peak[name] / 2**20, 1)
                 if FULL in seconds:

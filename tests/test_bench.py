@@ -1,0 +1,97 @@
+"""The benchmarks on a tiny random model: what they plan, measure and write."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from d2o import Budget, get_method
+from d2o.bench.fit import bench_fit, largest_batch
+from d2o.bench.models import random_model
+from d2o.engine.cache import CompressedCache
+from d2o.runtime.memory import plan
+
+from conftest import random_ids
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return random_model("tiny", positions=512)
+
+
+@pytest.mark.parametrize("name, budget", [("h2o", "0.3"), ("d2o", "0.3"), ("snapkv", "0.5"), ("full", "0.3"),
+                                          ("streamingllm", Budget(ratio=0.05, min_tokens=40))])
+def test_the_plan_bounds_what_a_sequence_holds_and_is_tight_for_evicting_methods(tiny, name, budget):
+    method, budget = get_method(name), Budget.parse(budget)
+    prompt, new = 120, 30
+    need = plan(tiny.config, method, budget, prompt, new, dtype_bytes=4)
+    slot = 2 * 2 * 16 * 4  # K and V, 2 KV heads, head dim 16, float32
+    assert need.prefill_bytes == 4 * prompt * slot
+    cache = CompressedCache(tiny, method, budget)
+    most = 0
+    with torch.inference_mode():
+        logits = tiny(input_ids=random_ids(prompt), cache=cache).logits
+        for _ in range(new - 1):  # the last token generated is never fed back
+            logits = tiny(input_ids=logits[:, -1:].argmax(-1), cache=cache).logits
+            most = max(most, cache.nbytes)
+    assert most <= need.held_bytes
+    if name in ("h2o", "d2o", "streamingllm"):  # at their budget plus one free slot per layer: exact
+        assert most == need.held_bytes
+    if name in ("full", "snapkv"):
+        assert most == need.held_bytes - 4 * slot  # the plan counts the last token, which is never fed
+
+
+def test_fit_packs_the_largest_batch_under_the_cap_and_stays_under_it(tiny):
+    prompt, generate = 96, 16
+    full = plan(tiny.config, get_method("full"), Budget(ratio=1.0), prompt, generate)
+    cap = 4 * full.held_bytes  # four full sequences
+    rows = {row["method"]: row for row in bench_fit(tiny, None, cap, prompt, generate, ["full", "h2o"],
+                                                    Budget(ratio=0.2, min_tokens=8), 4)}
+    assert rows["full"]["batch"] == 4
+    h2o = plan(tiny.config, get_method("h2o"), Budget(ratio=0.2, min_tokens=8), prompt, generate)
+    assert rows["h2o"]["batch"] == largest_batch(cap, h2o.prefill_bytes, h2o.held_bytes) > 4 * 3
+    for row in rows.values():
+        assert row["peak_kv_mib"] <= row["planned_kv_mib"] <= cap / 2**20
+    assert rows["h2o"]["decode_vs_full"] == pytest.approx(rows["h2o"]["decode_tokens_per_s"]
+                                                          / rows["full"]["decode_tokens_per_s"], abs=0.01)
+
+
+def test_the_gpu_script_runs_on_the_cpu(tmp_path):
+    """benchmarks/gpu.sh with a tiny shape: the same commands and files as on a GPU."""
+    env = {**os.environ, "SHAPE": "tiny", "DEVICE": "cpu", "DTYPE": "float32", "PROMPT": "64", "GENERATE": "64",
+           "BATCHES": "1,2", "STEPS": "2", "D2O": str(Path(sys.executable).parent / "d2o")}
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu.sh"), str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    for name in ("decode.md", "decode.json", "decode.png", "throughput.md", "throughput.json", "throughput.png"):
+        assert (tmp_path / name).stat().st_size > 0
+    decode = json.loads((tmp_path / "decode.json").read_text())["rows"]
+    assert {row["length"] for row in decode} == {64, 80, 96, 112, 128}
+    rows = json.loads((tmp_path / "throughput.json").read_text())["rows"]
+    assert {(row["method"], row["batch"]) for row in rows} == {(m, b) for m in ("full", "h2o", "d2o") for b in (1, 2)}
+    at_end = {(row["method"], row["batch"]): row["kv_mib_at_end"] for row in rows}
+    assert at_end[("d2o", 2)] < at_end[("full", 2)] / 3  # 12 tokens per layer against 128
+
+
+@pytest.mark.parametrize("args, message", [
+    (["fit", "--kv-memory", "1KB", "--shape", "tiny", "--prompt", "64", "--generate", "8"],
+     "a KV cap of 0 MiB holds not one 64+8-token sequence under full"),
+    (["fit", "--kv-memory", "12XB", "--shape", "tiny"], "memory size '12XB': expected a number with a unit"),
+    (["decode", "--shape", "tiny", "--positions", "100", "--lengths", "200", "--steps", "2"],
+     "prompt too long for the model: 200 tokens + 2 new need 202 positions, the model has 100"),
+    (["decode", "--shape", "tiny", "--methods", "full,nope"], "unknown method 'nope'"),
+    (["decode", "--shape", "huge"], "unknown shape 'huge'; choose one of: smollm2, llama-3-8b, tiny"),
+    (["prefill", "--shape", "tiny", "--budget", "3t"], "budget 3t leaves 3 tokens per layer; d2o needs at least 5"),
+])
+def test_bad_bench_input_is_one_line_and_exit_code_2(args, message, tmp_path):
+    done = subprocess.run([sys.executable, "-c", "from d2o.cli import main; main()", "bench", *args,
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1 and message in done.stderr
