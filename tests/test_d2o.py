@@ -219,6 +219,8 @@ def test_official_preset_follows_the_released_code():
         density = torch.tensor([float(layer_density(layer)[0]) for layer in cache.layers])
         token = first[:, -1:].argmax(-1)
         model(input_ids=token, cache=cache)  # the first decode step compresses, its query included
+    # F_l is the prefill's own, as in the released code: the first decode step's query is not in it.
+    assert [float(layer.state.density[0]) for layer in cache.layers] == density.tolist()
     torch.testing.assert_close(first, full)
     ratios = (6 * 0.2 * torch.softmax(-density.double(), 0)).clamp(0.01, 1.0)
     expected = [math.floor(201 * r * 0.5) + math.floor(201 * r * 0.5) for r in ratios.tolist()]
@@ -240,3 +242,98 @@ def test_every_knob_is_reachable_by_name():
         get_method("d2o", **{"merge.beta": 1})
     with pytest.raises(D2OError, match="alpha=2"):
         get_method("d2o", **{"merge.alpha": 2})
+
+
+def identical_tokens_layer(n_same: int = 3):
+    """A layer of 9 tokens of which tokens 2 .. 2+n_same-1 share one key and one value, per KV head."""
+    torch.manual_seed(3)
+    keys, values = torch.randn(1, 2, 9, 8, dtype=torch.float64), torch.randn(1, 2, 9, 8, dtype=torch.float64)
+    keys[:, :, 2:2 + n_same] = keys[:, :, 2:3]
+    values[:, :, 2:2 + n_same] = values[:, :, 2:3]
+    return keys, values
+
+
+def test_a_slot_standing_for_identical_tokens_gets_their_attention_and_statistics():
+    """With the mass correction, merging n identical tokens into one slot is lossless: the output
+    and the statistics of any query equal those over the n tokens uncompressed."""
+    from d2o.engine.attention import _one_query_attention
+    from d2o.engine.stats import StatsRequest, attention_stats
+
+    keys, values = identical_tokens_layer()
+    keep = torch.tensor([0, 1, 2, 5, 6, 7, 8]).expand(1, 2, 7)
+    low = torch.zeros(1)  # a low running threshold: every identical token merges (not what is tested here)
+    layer, count = merged_layer(SimilarityMerge(mass=True, weighting="count"), keys, values, keep,
+                                torch.tensor([3, 4]).expand(1, 2, 2), tau=low)
+    assert int(count) == 4  # both tokens, in both KV heads
+    torch.testing.assert_close(layer.log_weight[0, :, 2], torch.full((2,), math.log(3), dtype=torch.float32))
+    query = torch.randn(1, 4, 1, 8, dtype=torch.float64)
+    full_out, full_stats = _one_query_attention(query, keys, values, None, None, 0.35)
+    out, stats = _one_query_attention(query, layer.keys, layer.values, None, None, 0.35, layer.log_weight)
+    torch.testing.assert_close(out, full_out)
+    mass = full_stats.column_mass
+    merged_mass = torch.cat([mass[..., :2], mass[..., 2:5].sum(-1, keepdim=True), mass[..., 5:]], dim=-1)
+    torch.testing.assert_close(stats.column_mass, merged_mass)
+
+    # The chunked, causal statistics of the last four tokens as queries (a multi-token pass) agree too.
+    queries = torch.randn(1, 4, 4, 8, dtype=torch.float64)
+    every, real = torch.ones(1, 2, 9, dtype=torch.bool), torch.ones(1, 4, dtype=torch.bool)
+    request = StatsRequest(column_mass=True)
+    full = attention_stats(queries, keys, every, real, 0.35, request).column_mass
+    kept = attention_stats(queries, layer.keys, every[..., :7], real, 0.35, request,
+                           log_weight=layer.log_weight).column_mass
+    torch.testing.assert_close(kept[..., 2], full[..., 2:5].sum(-1), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(kept[..., :2], full[..., :2], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(kept[..., 3:], full[..., 5:], atol=1e-6, rtol=1e-6)
+
+
+def test_the_mass_correction_reaches_the_model_through_sdpa_and_eager():
+    """A multi-token input after a lossless merge: SDPA and eager (float masks) give the logits of
+    the cache that kept every token."""
+    for backend in ("sdpa", "eager"):
+        model = tiny_model("llama", dtype=torch.float64, attention=backend)
+        ids = random_ids(40)
+        whole = make_cache(model, "full", 1.0)
+        merged = make_cache(model, "full", 1.0)
+        with torch.inference_mode():
+            model(input_ids=ids, cache=whole)
+            model(input_ids=ids, cache=merged)
+            for layer in merged.layers:  # token 7 becomes a copy of token 6, then merges into it: lossless
+                layer.keys[:, :, 7] = layer.keys[:, :, 6]
+                layer.values[:, :, 7] = layer.values[:, :, 6]
+                layer.token_index[:, :, 7] = -1
+                layer.weights()[:, :, 6] = math.log(2)
+            for layer in whole.layers:
+                layer.keys[:, :, 7] = layer.keys[:, :, 6]
+                layer.values[:, :, 7] = layer.values[:, :, 6]
+        follow = random_ids(5, seed=8)
+        with torch.inference_mode():
+            expected = model(input_ids=follow, cache=whole).logits
+            got = model(input_ids=follow, cache=merged).logits
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)  # log weights are kept in float32
+
+
+@pytest.mark.parametrize("options, parameter", [
+    ({"max_merges": -1}, "max_merges=-1"),
+    ({"skip_first": 1.5}, "skip_first=1.5"),
+    ({"skip_newest": -2}, "skip_newest=-2"),
+    ({"mass": "yes"}, "mass='yes'"),
+    ({"weighting": "mean"}, "weighting='mean' must be one of paper, official, normalized, count"),
+])
+def test_merge_options_out_of_range_name_the_parameter(options, parameter):
+    with pytest.raises(D2OError, match=parameter):
+        get_method("d2o", **{f"merge.{name}": value for name, value in options.items()})
+
+
+def test_merge_options_values_only_cap_and_skipped_targets():
+    keys, values = identical_tokens_layer(n_same=4)  # tokens 2, 3, 4, 5 alike
+    keep, evict = torch.tensor([0, 1, 2, 6, 7, 8]).expand(1, 2, 6), torch.tensor([3, 4, 5]).expand(1, 2, 3)
+    before = keys.gather(2, keep[..., None].expand(-1, -1, -1, 8))
+    low = torch.zeros(1)
+    layer, _ = merged_layer(SimilarityMerge(values_only=True, weighting="count", mass=True), keys, values, keep,
+                            evict, tau=low)
+    torch.testing.assert_close(layer.keys, before)  # keys untouched
+    torch.testing.assert_close(layer.log_weight[0, :, 2], torch.full((2,), math.log(4), dtype=torch.float32))
+    layer, count = merged_layer(SimilarityMerge(max_merges=2), keys, values, keep, evict, tau=low)
+    assert int(count) == 2 * 2 and layer.slot_state["merges"][0, :, 2].tolist() == [2, 2]
+    layer, count = merged_layer(SimilarityMerge(skip_first=3), keys, values, keep, evict, tau=low)
+    assert int(layer.slot_state["merges"][0, :, :3].sum()) == 0 and int(count) > 0  # 0, 1, 2 may not absorb

@@ -86,7 +86,7 @@ def test_niah_grid_and_heatmaps(real_model, tmp_path):
 def test_perplexity_with_full_cache_equals_one_forward(real_model, tmp_path):
     model, tokenizer = real_model
     task = get_task("perplexity", length=256, chunk=64, window=128)
-    tokens = torch.tensor([task.encode(task.samples(tokenizer, None, 0)[0], tokenizer)])
+    tokens = torch.tensor([task.encode(task.samples(tokenizer, None, 0)[0], tokenizer)[0]])
     with torch.inference_mode():
         logits = model(input_ids=tokens).logits[0, :-1].float()
     direct = math.exp(torch.nn.functional.cross_entropy(logits, tokens[0, 1:]).item())

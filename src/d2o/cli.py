@@ -107,6 +107,8 @@ def evaluate(
     separate_prefill: bool = typer.Option(False, "--separate-prefill", help="Prefill once per method and budget."),
     dtype: str = typer.Option("float32"),
     attention: str = typer.Option("sdpa"),
+    protocol: str = typer.Option("prompt", help="prompt: compress the whole prompt; context: compress the "
+                                 "context, then feed the question (tasks with a question)."),
     task_option: list[str] = typer.Option([], "--task-option",
                                           help="A task option NAME=VALUE (repeatable; `d2o tasks` lists them)."),
     option: list[str] = typer.Option([], "--option", help="A method option METHOD.NAME=VALUE (repeatable)."),
@@ -123,6 +125,7 @@ def evaluate(
     config = EvalConfig(
         task=task, model=model, methods=split_list(methods), budgets=split_list(budgets), limit=limit, seed=seed,
         out=str(out), shared_prefill=not separate_prefill, dtype=dtype, attention=attention, min_tokens=min_tokens,
+        protocol=protocol,
         task_options=parse_options(task_option, "--task-option"), method_options=method_options,
     )
     check_config(config)  # before torch loads

@@ -46,10 +46,12 @@ def _make_attention(backend: str):
             raise D2OError("d2o's attention takes a 2D padding mask (batch, tokens), not a prepared 4D mask")
         batch, n_query, n_keys = query.shape[0], query.shape[2], key.shape[2]
         window = kwargs.get("sliding_window")
+        log_weight = None
         if layer is not None:
             layer.admit(None if attention_mask is None else attention_mask[:, -n_query:])
             kv_valid = layer.valid  # (B, G, N)
             positions = layer.token_index
+            log_weight = layer.log_weight
             if window is not None:
                 query_positions = positions[:, :1].gather(2, layer.fresh_slots(n_query)[:, :1])  # (B, 1, q)
         else:  # no d2o cache (plain DynamicCache, or none): slots are the padded token stream
@@ -68,21 +70,25 @@ def _make_attention(backend: str):
             request = layer.cache.policy.stats_request(layer, n_query)
         if request is not None and n_query == 1 and window_mask is None:
             output, stats = _one_query_attention(query, key, value, None if every_slot else kv_valid, new_valid,
-                                                 scaling)
+                                                 scaling, log_weight)
             layer.cache.policy.observe(layer, stats)
             return output, None
 
         mask = None
-        if not every_slot or (backend == "eager" and n_query > 1) or n_query not in (1, n_keys):
-            shared = kv_valid[:, :1] if bool((kv_valid == kv_valid[:, :1]).all()) else kv_valid
-            mask = allowed_keys(shared, 0, n_query, n_query, n_keys, window_mask)  # (B, 1|G, q, N)
+        plain = every_slot and log_weight is None
+        if not plain or (backend == "eager" and n_query > 1) or n_query not in (1, n_keys):
+            uniform = log_weight is None and bool((kv_valid == kv_valid[:, :1]).all())
+            mask = allowed_keys(kv_valid[:, :1] if uniform else kv_valid, 0, n_query, n_query, n_keys,
+                                window_mask)  # (B, 1|G, q, N)
+            if log_weight is not None or backend == "eager":
+                # An additive float mask: each slot's log weight where visible, the lowest value where not
+                # (eager's softmax runs in float32: a float64 minimum would become -inf there, NaN rows).
+                lowest = max(torch.finfo(query.dtype).min, torch.finfo(torch.float32).min)
+                bias = 0.0 if log_weight is None else log_weight[:, :, None, :].to(query.dtype)
+                mask = torch.where(mask, bias, torch.tensor(lowest, dtype=query.dtype, device=query.device))
             if mask.shape[1] > 1:  # slots differ between KV heads: one mask per query head
                 mask = repeat_kv(mask, module.num_key_value_groups)
         if backend == "eager":
-            if mask is not None:
-                # eager's softmax runs in float32: a float64 minimum would become -inf there (NaN rows).
-                lowest = max(torch.finfo(query.dtype).min, torch.finfo(torch.float32).min)
-                mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill_(~mask, lowest)
             output, _ = eager_attention_forward(module, query, key, value, mask, scaling=scaling, dropout=dropout)
         else:
             output, _ = sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling)
@@ -91,7 +97,7 @@ def _make_attention(backend: str):
             per_head = kv_valid.expand(-1, key.shape[1], -1)
             if new_valid is None:
                 new_valid = kv_valid.new_ones((batch, n_query))
-            stats = attention_stats(query, key, per_head, new_valid, scaling, request, window_mask)
+            stats = attention_stats(query, key, per_head, new_valid, scaling, request, window_mask, log_weight)
             layer.cache.policy.observe(layer, stats)
         return output, None
 
@@ -99,16 +105,19 @@ def _make_attention(backend: str):
     return attention
 
 
-def _one_query_attention(query, key, value, kv_valid, new_valid, scaling):
+def _one_query_attention(query, key, value, kv_valid, new_valid, scaling, log_weight=None):
     """One new query per row (a decode step), when the policy wants statistics: the attention
     probabilities (in float32 at least), the output from them, and the statistics for free (for
     one query, its probabilities are both the column mass and the last window row). ``kv_valid``
-    (B, G, N) masks empty slots; None when every slot holds a token."""
+    (B, G, N) masks empty slots, None when every slot holds a token; ``log_weight`` (B, G, N) is
+    added to the slots' logits."""
     batch, heads, _, dim = query.shape
     kv_heads = key.shape[1]
     dtype = torch.promote_types(query.dtype, torch.float32)
     queries = query.to(dtype).view(batch, kv_heads, heads // kv_heads, dim) * scaling
     scores = torch.matmul(queries, key.to(dtype).transpose(-1, -2))  # (B, G, group, N)
+    if log_weight is not None:
+        scores += log_weight[:, :, None, :]
     if kv_valid is not None:
         scores.masked_fill_(~kv_valid[:, :, None, :], torch.finfo(dtype).min)
     probs = torch.softmax(scores, dim=-1)

@@ -27,7 +27,8 @@ class Evicted:
 
     ``keys``/``values`` (B, G, E, D), ``token_index`` (B, G, E), ``valid`` (B, E): every KV head of
     a row evicts as many tokens, and row b's entries past its count are padding; ``slot_state``:
-    the per-slot method state of those tokens, (B, G, E, ...).
+    the per-slot method state of those tokens, (B, G, E, ...); ``log_weight`` (B, G, E): the log of
+    how many tokens each stands for (None: one each).
     """
 
     keys: torch.Tensor
@@ -35,6 +36,7 @@ class Evicted:
     token_index: torch.Tensor
     valid: torch.Tensor
     slot_state: dict[str, torch.Tensor]
+    log_weight: torch.Tensor | None = None
 
 
 class Merge(Protocol):

@@ -66,11 +66,13 @@ def attention_stats(
     scaling: float,
     request: StatsRequest,
     window_mask=None,
+    log_weight: torch.Tensor | None = None,
 ) -> AttentionStats:
     """Compute ``request`` for queries (B, H, q, D) over keys (B, G, N, D), exactly, in query chunks.
 
     ``kv_valid`` (B, G, N) marks real slots per KV head (the last q are the queries' own),
-    ``query_valid`` (B, q) real queries: padding queries contribute nothing. Each chunk is one plain matrix product per
+    ``query_valid`` (B, q) real queries: padding queries contribute nothing; ``log_weight``
+    (B, G, N), if given, is added to the slots' logits (a slot standing for several tokens). Each chunk is one plain matrix product per
     row and KV head (the query heads of a group stacked), restricted to the keys its rows can see.
     """
     batch, heads, n_query, dim = query.shape
@@ -104,6 +106,8 @@ def attention_stats(
                 rows_of_queries = queries[b, g, :, start - first : end - first].reshape(group * rows, dim)
                 torch.mm(rows_of_queries, keys_t[:, :visible], out=scores)
                 scores = scores.view(group, rows, visible)
+                if log_weight is not None:
+                    scores += log_weight[b, g, :visible]
                 # Causal: only the block of this chunk's own tokens has future columns.
                 own = scores[:, :, past + start : visible]
                 own.masked_fill_(future[:rows, :rows], lowest)

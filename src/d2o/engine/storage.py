@@ -111,6 +111,10 @@ class CompressedLayer(CacheLayerMixin):
         # Method state that moves with the slots, each (B, G, N, ...): gathered on eviction,
         # zero-initialised for new tokens.
         self.slot_state: dict[str, torch.Tensor] = {}
+        # (B, G, N) float32: the log of how many tokens each slot stands for (None: one each). A merge
+        # that folds tokens into a slot raises it; the attention adds it to the slot's logits, so the
+        # slot receives the attention of all its tokens.
+        self.log_weight: torch.Tensor | None = None
         # Method state for the layer as a whole (e.g. D2O's merge threshold per row).
         self.state = self.cache.policy.new_layer_state() if self.cache is not None else None
         self.seen = 0  # tokens fed, padding included: the offset transformers counts positions from
@@ -223,6 +227,8 @@ class CompressedLayer(CacheLayerMixin):
         if self.budget is not None:
             self.budget = fn(self.budget)
         self.slot_state = {name: fn(t) for name, t in self.slot_state.items()}
+        if self.log_weight is not None:
+            self.log_weight = fn(self.log_weight)
         if self.state is not None:
             self.state = self.state.map_rows(fn)
         self.owns_storage = True
@@ -234,6 +240,8 @@ class CompressedLayer(CacheLayerMixin):
         layers = [self, *others]
         rows = [layer.keys.shape[0] for layer in layers]
         width = max(layer.keys.shape[2] for layer in layers)
+        weighted = any(layer.log_weight is not None for layer in layers)
+        weights = [layer.weights() for layer in layers] if weighted else None
 
         def padded(tensor: torch.Tensor, fill) -> torch.Tensor:
             missing = width - tensor.shape[2]
@@ -246,6 +254,8 @@ class CompressedLayer(CacheLayerMixin):
         self.token_index = torch.cat([padded(layer.token_index, -1) for layer in layers])
         self.slot_state = {name: torch.cat([padded(layer.slot_state[name], 0) for layer in layers])
                            for name in self.slot_state}
+        if weights is not None:
+            self.log_weight = torch.cat([padded(weight, 0) for weight in weights])
         self.real_seen = torch.cat([layer.real_seen for layer in layers])
         self.merged = torch.cat([layer.merged for layer in layers])
         if self.budget is not None:
@@ -273,11 +283,15 @@ class CompressedLayer(CacheLayerMixin):
             self.token_index[row_index, head_index, slot] = index
             for state in self.slot_state.values():
                 state[row_index, head_index, slot] = 0
+            if self.log_weight is not None:
+                self.log_weight[row_index, head_index, slot] = 0
         else:
             self.token_index = torch.cat([self.token_index, index[:, None, :].expand(batch, heads, q)], dim=2)
             for name, state in self.slot_state.items():
                 fresh = state.new_zeros((*state.shape[:2], q, *state.shape[3:]))
                 self.slot_state[name] = torch.cat([state, fresh], dim=2)
+            if self.log_weight is not None:
+                self.log_weight = torch.cat([self.log_weight, self.log_weight.new_zeros((batch, heads, q))], dim=2)
         self.real_seen = self.real_seen + added
         self.seen += q
         self.pending = 0
@@ -292,6 +306,12 @@ class CompressedLayer(CacheLayerMixin):
         """(B,) tokens held per row (every KV head of a row holds as many)."""
         return (self.token_index[:, 0] >= 0).sum(-1)
 
+    def weights(self) -> torch.Tensor:
+        """(B, G, N) float32: the log weight of every slot, made (zeros) if no merge has set one."""
+        if self.log_weight is None:
+            self.log_weight = torch.zeros(self.token_index.shape, dtype=torch.float32, device=self.token_index.device)
+        return self.log_weight
+
     @property
     def nbytes(self) -> int:
         """Bytes of the stored keys and values (empty slots of a padded batch included)."""
@@ -304,7 +324,8 @@ class CompressedLayer(CacheLayerMixin):
         """Bytes of the per-slot bookkeeping: token indices and method state."""
         if not self.is_initialized:
             return 0
-        return self.token_index.nbytes + sum(state.nbytes for state in self.slot_state.values())
+        weights = 0 if self.log_weight is None else self.log_weight.nbytes
+        return self.token_index.nbytes + weights + sum(state.nbytes for state in self.slot_state.values())
 
     def evicted(self, slots: torch.Tensor, valid: torch.Tensor) -> Evicted:
         """Copies of what the slots (B, G, E) hold, before they are evicted; ``valid`` (B, E)."""
@@ -318,7 +339,8 @@ class CompressedLayer(CacheLayerMixin):
             def take(tensor: torch.Tensor) -> torch.Tensor:
                 return take_slots(tensor, slots)
         return Evicted(keys=take(self.keys), values=take(self.values), token_index=take(self.token_index),
-                       valid=valid, slot_state={name: take(state) for name, state in self.slot_state.items()})
+                       valid=valid, slot_state={name: take(state) for name, state in self.slot_state.items()},
+                       log_weight=None if self.log_weight is None else take(self.log_weight))
 
     def drop(self, slots: torch.Tensor, rows: torch.Tensor | None) -> None:
         """Empty the slot ``slots`` (B, G) of every KV head of the rows ``rows`` (B,) bool (None:
@@ -343,5 +365,7 @@ class CompressedLayer(CacheLayerMixin):
             self.token_index.masked_fill_(empty, -1)
         self.keys, self.values = keys, values
         self.slot_state = {name: take_slots(state, keep) for name, state in self.slot_state.items()}
+        if self.log_weight is not None:
+            self.log_weight = take_slots(self.log_weight, keep)
         self.owns_storage = True
         self.holes = None

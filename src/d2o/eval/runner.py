@@ -54,9 +54,10 @@ class Runner:
     def cache(self, method: str, budget: Budget) -> CompressedCache:
         return CompressedCache(self.model, self.methods[method], budget)
 
-    def answer(self, task, sample, ids: list[int], todo: list[Run]) -> Iterator[Outcome]:
-        """Every run of ``todo`` answers ``sample`` (greedy), yielded as each finishes; one prefill
-        shared where methods allow."""
+    def answer(self, task, sample, ids: list[int], question: list[int], todo: list[Run]) -> Iterator[Outcome]:
+        """Every run of ``todo`` answers ``sample`` (greedy), yielded as each finishes; one prefill of
+        ``ids`` shared where methods allow, then ``question`` (if any) fed to each run's compressed
+        cache before it answers."""
         shareable = [name for name in dict.fromkeys(run.method for run in todo)
                      if not self.methods[name].repeats_kv_heads]
         prefill = None
@@ -72,6 +73,8 @@ class Runner:
             else:
                 batch = self._prefill(self.cache(run.method, run.budget), ids, sample)
                 prefill_seconds = batch.sequences[0].prefill_seconds
+            if question:
+                batch.feed([question])
             sequence = batch.run()[0]
             text = sequence.text.strip()
             yield Outcome(run, text, task.score(text, sample), sequence.report, time.perf_counter() - start,

@@ -14,7 +14,7 @@ from pathlib import Path
 from d2o.budget import MIN_TOKENS, Budget
 from d2o.errors import D2OError
 from d2o.eval.tasks import get_task
-from d2o.eval.tasks.base import Task
+from d2o.eval.tasks.base import PROTOCOLS, Task
 
 FULL = "full"
 
@@ -33,6 +33,7 @@ class EvalConfig:
     shared_prefill: bool = True
     dtype: str = "float32"
     attention: str = "sdpa"
+    protocol: str = "prompt"  # or "context": the question is fed after the context was compressed
     min_tokens: int | None = None  # the floor under ratio budgets (None: the library's default)
     task_options: dict = field(default_factory=dict)
     method_options: dict = field(default_factory=dict)  # {method: {option: value}}
@@ -42,12 +43,14 @@ class EvalConfig:
         limit may grow)."""
         return {"task": self.task, "task_settings": task.settings(), "model": self.model, "seed": self.seed,
                 "dtype": self.dtype, "attention": self.attention, "method_options": self.method_options,
-                "min_tokens": MIN_TOKENS if self.min_tokens is None else self.min_tokens}
+                "min_tokens": MIN_TOKENS if self.min_tokens is None else self.min_tokens, "protocol": self.protocol}
 
 
 def check_config(config: EvalConfig) -> tuple[Task, list[Budget]]:
     """Everything that can be checked without torch: the task and its options, the budgets."""
     task = get_task(config.task, **config.task_options)
+    if config.protocol not in PROTOCOLS:
+        raise D2OError(f"protocol {config.protocol!r} must be one of {', '.join(PROTOCOLS)}")
     return task, [Budget.parse(b, config.min_tokens) for b in config.budgets]
 
 
@@ -73,9 +76,9 @@ def run_eval(config: EvalConfig, progress: bool = True) -> list[dict]:
     samples = task.samples(tokenizer, config.limit, config.seed)
     encoded = {}
     for sample in samples:  # every prompt is checked before anything runs
-        encoded[sample.id] = task.encode(sample, tokenizer)
+        encoded[sample.id] = task.encode(sample, tokenizer, config.protocol)
         try:
-            check_length(model, len(encoded[sample.id]), sample.max_new_tokens)
+            check_length(model, sum(map(len, encoded[sample.id])), sample.max_new_tokens)
         except D2OError as error:
             raise D2OError(f"sample {sample.id}: {error}") from None
     runner = Runner(model, tokenizer, methods, config.shared_prefill)
@@ -84,7 +87,7 @@ def run_eval(config: EvalConfig, progress: bool = True) -> list[dict]:
     for sample in tqdm(samples, desc=task.name, disable=not progress, unit="sample"):
         todo = [run for run in runs if (sample.id, run.method, str(run.budget)) not in done]
         if todo:
-            for outcome in task.run(runner, sample, encoded[sample.id], todo):
+            for outcome in task.run(runner, sample, *encoded[sample.id], todo):
                 store.append(results.result_line(task, sample, outcome))
     rows = results.summarize(store.read(), task, config)
     results.write_summaries(out, rows, task, config)

@@ -179,6 +179,19 @@ class Batch:
                 sequence.decode_seconds += seconds
         return finished
 
+    def feed(self, tokens: list[list[int]]) -> None:
+        """More input for every row before it generates (a question after its compressed context):
+        one forward pass of equal-length token lists; the next-token logits follow the last token."""
+        device = self.logits.device
+        ids = torch.tensor(tokens, device=device)
+        positions = self.positions[:, None] + torch.arange(ids.shape[1], device=device)
+        with torch.inference_mode():
+            self.logits = self.model(input_ids=ids, position_ids=positions, cache=self.cache,
+                                     logits_to_keep=1).logits[:, -1]
+        self.positions = self.positions + ids.shape[1]
+        for sequence in self.sequences:
+            sequence.prompt_tokens += ids.shape[1]
+
     def keep_rows(self, rows: list[int]) -> None:
         """Only ``rows`` stay (finished or cancelled rows leave, and free their cache rows)."""
         if rows == list(range(self.size)):

@@ -12,7 +12,9 @@ from d2o.runtime.prompts import chat_text
 
 @dataclass
 class Sample:
-    """One prompt to answer. ``stop``: generation ends before the first of these strings."""
+    """One prompt to answer. ``stop``: generation ends before the first of these strings.
+    ``question``: the end of ``prompt`` that asks (under ``--protocol context`` it is fed only
+    after the rest was compressed); empty when the task has none."""
 
     id: str
     prompt: str
@@ -20,6 +22,7 @@ class Sample:
     max_new_tokens: int
     stop: tuple[str, ...] = ()
     special_tokens: bool = True  # False when the prompt is already wrapped in a chat template
+    question: str = ""
     meta: dict = field(default_factory=dict)
 
 
@@ -38,14 +41,24 @@ class Task:
     def score(self, prediction: str, sample: Sample) -> dict[str, float]:
         raise NotImplementedError
 
-    def encode(self, sample: Sample, tokenizer) -> list[int]:
-        """The sample's prompt as token ids."""
-        return tokenizer(sample.prompt, add_special_tokens=sample.special_tokens).input_ids
+    def encode(self, sample: Sample, tokenizer, protocol: str = "prompt") -> tuple[list[int], list[int]]:
+        """The token ids to prefill and those fed after compression. ``prompt``: the whole prompt is
+        compressed (nothing after); ``context``: the question is kept out of compression."""
+        if protocol not in PROTOCOLS:
+            raise D2OError(f"protocol {protocol!r} must be one of {', '.join(PROTOCOLS)}")
+        if protocol == "prompt":
+            return tokenizer(sample.prompt, add_special_tokens=sample.special_tokens).input_ids, []
+        if not sample.question:
+            raise D2OError(f"task {self.name!r} has no question to keep out of compression: "
+                           f"--protocol context does not apply")
+        context = sample.prompt[: len(sample.prompt) - len(sample.question)]
+        return (tokenizer(context, add_special_tokens=sample.special_tokens).input_ids,
+                tokenizer(sample.question, add_special_tokens=False).input_ids)
 
-    def run(self, runner, sample: Sample, ids: list[int], todo: list):
+    def run(self, runner, sample: Sample, ids: list[int], question: list[int], todo: list):
         """Every run of ``todo`` on ``sample``, yielding each outcome as it is done (so a sweep
         keeps it at once): answered greedily, one prefill shared by the runs."""
-        return runner.answer(self, sample, ids, todo)
+        return runner.answer(self, sample, ids, question, todo)
 
     def settings(self) -> dict:
         """The options that define the samples (recorded, and checked when a run resumes)."""
@@ -71,6 +84,16 @@ def get_task(name: str, **options) -> Task:
         options = ", ".join(sorted(known)) or "none"
         raise D2OError(f"task {name!r} takes no option {', '.join(unknown)}; its options: {options}")
     return cls(**given)
+
+
+PROTOCOLS = ("prompt", "context")
+
+
+def asked(prompt: str, question: str) -> str:
+    """The end of ``prompt`` from the last occurrence of ``question`` on (through a chat template's
+    closing, when the prompt is wrapped in one)."""
+    at = prompt.rfind(question)
+    return prompt[at:] if at >= 0 else ""
 
 
 def chat_prompt(tokenizer, prompt: str) -> tuple[str, bool]:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from d2o.eval.downloads import BIGBENCH, archive_member
 from d2o.eval.metrics import qa_scores
-from d2o.eval.tasks.base import Sample, Task, chat_prompt, pack_passages, register_task, take
+from d2o.eval.tasks.base import Sample, Task, asked, chat_prompt, pack_passages, register_task, take
 
 INSTRUCTION = "Read the stories below, then answer the questions about them briefly.\n\n"
 
@@ -44,11 +44,12 @@ class Coqa(Task):
             context, position = pack_passages(tokenizer, story["story"], others, self.length - 120, rng)
             dialogue = "".join(f"Q: {questions[t]['input_text']}\nA: {answers[t]['input_text']}\n"
                                for t in range(max(0, turn - self.history), turn))
-            prompt = f"{INSTRUCTION}{context}\n\n{dialogue}Q: {questions[turn]['input_text']}\nA:"
-            prompt, special_tokens = chat_prompt(tokenizer, prompt) if self.chat else (prompt, True)
+            question = f"\n\n{dialogue}Q: {questions[turn]['input_text']}\nA:"
+            prompt, special_tokens = chat_prompt(tokenizer, f"{INSTRUCTION}{context}{question}") if self.chat \
+                else (f"{INSTRUCTION}{context}{question}", True)
             samples.append(Sample(f"coqa-{story['id']}-{turn}-{self.length}", prompt, sorted(golds),
                                   max_new_tokens=24, stop=("\n",), special_tokens=special_tokens,
-                                  meta={"turn": turn, "position": position}))
+                                  question=asked(prompt, question), meta={"turn": turn, "position": position}))
         return samples
 
     def score(self, prediction, sample):

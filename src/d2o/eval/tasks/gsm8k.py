@@ -52,7 +52,7 @@ class Gsm8k(Task):
         shots = "".join(f"Question: {q}\nAnswer: {a}\n\n" for q, a in EXAMPLES[: self.shots])
         return [
             Sample(f"gsm8k-{item['id']}", f"{shots}Question: {item['question']}\nAnswer:", item["gold"],
-                   max_new_tokens=192, stop=("\n\n", "\nQuestion:"))
+                   max_new_tokens=192, stop=("\n\n", "\nQuestion:"), question=f"Question: {item['question']}\nAnswer:")
             for item in take(gsm8k_items(), limit, seed)
         ]
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from d2o.errors import D2OError
 from d2o.eval.metrics import classification_score, code_sim_score, count_score, qa_f1, retrieval_score, rouge_l
-from d2o.eval.tasks.base import Sample, Task, chat_prompt, register_task, take
+from d2o.eval.tasks.base import Sample, Task, asked, chat_prompt, register_task, take
 
 PROMPTS = {
     "narrativeqa": "You are given a story, which can be either a novel or a movie script, and a question. Answer the question asconcisely as you can, using a single phrase if possible. Do not provide any explanation.\n\nStory: {context}\n\nNow, answer the question based on the story asconcisely as you can, using a single phrase if possible. Do not provide any explanation.\n\nQuestion: {input}\n\nAnswer:",
@@ -153,10 +153,11 @@ class LongBench(Task):
                 special_tokens = True
                 if base not in NO_CHAT_TEMPLATE:
                     prompt, special_tokens = chat_prompt(tokenizer, prompt)
+                after_context = PROMPTS[base].split("{context}")[1].format(**record)
                 samples.append(Sample(
                     f"longbench-{dataset}-{record.get('_id', record['_line'])}", prompt, record["answers"],
                     max_new_tokens=max_new_tokens, stop=("\n",) if base == "samsum" else (),
-                    special_tokens=special_tokens,
+                    special_tokens=special_tokens, question=asked(prompt, after_context),
                     meta={"subtask": dataset, "all_classes": record.get("all_classes"), "length": record.get("length")},
                 ))
         return samples

@@ -70,7 +70,8 @@ class NeedleInAHaystack(Task):
                     cut = sentence_boundary(hay, int(depth * len(hay))) if depth < 1.0 else len(hay)
                     prompt = hay[:cut].rstrip() + " " + self.needle + " " + hay[cut:].lstrip() + tail
                     samples.append(Sample(f"niah-{length}-{depth:g}-{seed}-{repeat}", prompt, self.fact,
-                                          max_new_tokens=16, stop=("\n",), meta={"length": length, "depth": depth}))
+                                          max_new_tokens=16, stop=("\n",), question=tail,
+                                          meta={"length": length, "depth": depth}))
         return samples
 
     def score(self, prediction, sample):

@@ -83,7 +83,7 @@ class Passkey(Task):
         rng = random.Random(seed)
         prompts = [make_passkey_prompt(tokenizer, filler, self.length, rng) for _ in range(limit or 10)]
         return [
-            Sample(f"passkey-{self.length}-{seed}-{i}", p.text, p.key, max_new_tokens=8,
+            Sample(f"passkey-{self.length}-{seed}-{i}", p.text, p.key, max_new_tokens=8, question=QUESTION,
                    meta={"depth": round(p.depth, 3), "tokens": p.n_tokens})
             for i, p in enumerate(prompts)
         ]

@@ -39,17 +39,19 @@ class Perplexity(Task):
     def samples(self, tokenizer, limit, seed):
         return [Sample(f"perplexity-{self.length}", "", None, max_new_tokens=0, meta={"tokens": self.length})]
 
-    def encode(self, sample, tokenizer):
+    def encode(self, sample, tokenizer, protocol: str = "prompt"):
+        if protocol != "prompt":
+            raise D2OError("perplexity has no question to keep out of compression: --protocol context does not apply")
         source = read_text_file(self.text) if self.text else essays()
         ids = tokenizer(source, add_special_tokens=False).input_ids
         if len(ids) < self.length:
             raise D2OError(f"the text has {len(ids)} tokens, fewer than length={self.length}")
-        return ids[: self.length]
+        return ids[: self.length], []
 
     def cache_budget(self, budget: Budget) -> Budget:
         return Budget(tokens=max(1, round(budget.ratio * self.length))) if budget.ratio is not None else budget
 
-    def run(self, runner, sample, ids, todo):
+    def run(self, runner, sample, ids, question, todo):
         from d2o.eval.runner import Outcome  # here, not at import: checking options must not wait for torch
 
         for run in todo:

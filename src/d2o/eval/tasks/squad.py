@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from d2o.eval.downloads import BIGBENCH, archive_member
 from d2o.eval.metrics import qa_scores
-from d2o.eval.tasks.base import Sample, Task, chat_prompt, pack_passages, register_task, take
+from d2o.eval.tasks.base import Sample, Task, asked, chat_prompt, pack_passages, register_task, take
 
 INSTRUCTION = "Answer the question with a short phrase copied from the passages below.\n\n"
 
@@ -48,11 +48,12 @@ class Squad(Task):
         for record in take(records, limit or 50, seed):
             others = [p for t, p in rng.sample(passages, min(len(passages), 60)) if t != record["title"]]
             context, position = pack_passages(tokenizer, record["context"], others, self.length - 60, rng)
-            prompt = f"{INSTRUCTION}{context}\n\nQuestion: {record['question']}\nAnswer:"
-            prompt, special_tokens = chat_prompt(tokenizer, prompt) if self.chat else (prompt, True)
+            question = f"\n\nQuestion: {record['question']}\nAnswer:"
+            prompt, special_tokens = chat_prompt(tokenizer, f"{INSTRUCTION}{context}{question}") if self.chat \
+                else (f"{INSTRUCTION}{context}{question}", True)
             samples.append(Sample(f"squad-{record['id']}-{self.length}", prompt, record["answers"],
                                   max_new_tokens=24, stop=("\n",), special_tokens=special_tokens,
-                                  meta={"position": position}))
+                                  question=asked(prompt, question), meta={"position": position}))
         return samples
 
     def score(self, prediction, sample):

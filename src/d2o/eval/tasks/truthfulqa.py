@@ -27,7 +27,8 @@ class TruthfulQA(Task):
         return [
             Sample(f"truthfulqa-{i}", f"{prefix}Q: {item['Question']}\nA:",
                    {"true": item["True answers"], "false": item["False answers"]},
-                   max_new_tokens=48, stop=("\n",), meta={"category": item.get("Category")})
+                   max_new_tokens=48, stop=("\n",), question=f"Q: {item['Question']}\nA:",
+                   meta={"category": item.get("Category")})
             for i, item in take(list(enumerate(data["examples"])), limit, seed)
         ]
 

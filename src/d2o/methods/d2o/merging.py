@@ -23,9 +23,10 @@ from d2o.engine.storage import RowState
 from d2o.errors import D2OError
 
 SIMILARITY_ON = ("key", "value")
-WEIGHTINGS = ("paper", "official")
+WEIGHTINGS = ("paper", "official", "normalized", "count")
 DECISIONS = ("per_head", "mean_over_heads")
 MERGES = "merges"  # slot state: evicted (token, KV head) pairs each kept slot has absorbed
+NO_TARGET = -2.0  # the similarity of an evicted token with no slot allowed to absorb it
 
 
 @dataclass
@@ -38,14 +39,30 @@ class MergeState(RowState):
 
 @dataclass
 class SimilarityMerge:
-    """``on``: similarity of keys (paper's choice) or values; ``weighting``: the paper's convex
-    weights or the released code's ``(k_c + sum m_e k_e) / (1 + |E_c|)``; ``decision``: merge
-    per KV head, or per token on its similarity averaged over heads (released code)."""
+    """``on``: similarity of keys (paper's choice) or values; ``decision``: merge per KV head, or per
+    token on its similarity averaged over heads (released code); ``weighting``, for a kept slot c
+    absorbing the evicted tokens E_c, each e with best similarity m_e:
+      - ``paper``: (e * c + sum exp(m_e) e) / (e + sum exp(m_e)) (convex, Euler's e for c itself);
+      - ``official``: (c + sum m_e e) / (1 + |E_c|) (the released code; the vector shrinks);
+      - ``normalized``: (c + sum m_e e) / (1 + sum m_e) (the released weights, made convex);
+      - ``count``: each vector weighted by the number of tokens it stands for (a token-count mean).
+
+    Options beyond the paper (all off in ``d2o``): ``mass``, a slot standing for n tokens gets
+    log n added to its attention logits (and statistics), so it receives the attention of n tokens;
+    ``values_only``, the kept slot keeps its own key (RoPE-consistent) and only values merge;
+    ``max_merges``, a kept slot absorbs at most that many evicted tokens (the most similar first);
+    ``skip_first``/``skip_newest``, the first tokens (attention sinks) and the newest ones (1: the
+    current token) never absorb."""
 
     alpha: float = 0.5
     on: str = "key"
     weighting: str = "paper"
     decision: str = "per_head"
+    mass: bool = False
+    values_only: bool = False
+    max_merges: int | None = None
+    skip_first: int = 0
+    skip_newest: int = 0
 
     def __post_init__(self):
         if not 0.0 <= self.alpha <= 1.0:
@@ -54,6 +71,16 @@ class SimilarityMerge:
                                      ("decision", self.decision, DECISIONS)):
             if value not in allowed:
                 raise D2OError(f"{name}={value!r} must be one of {', '.join(allowed)}")
+        if self.max_merges is not None and (isinstance(self.max_merges, bool) or not isinstance(self.max_merges, int)
+                                            or self.max_merges < 0):
+            raise D2OError(f"max_merges={self.max_merges!r} must be a whole number >= 0 (or None: no cap)")
+        for name in ("skip_first", "skip_newest"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise D2OError(f"{name}={value!r} must be a whole number >= 0")
+        for name in ("mass", "values_only"):
+            if not isinstance(getattr(self, name), bool):
+                raise D2OError(f"{name}={getattr(self, name)!r} must be true or false")
 
     def new_state(self) -> MergeState:
         return MergeState()
@@ -73,12 +100,14 @@ class SimilarityMerge:
         if width == 0:
             return torch.zeros(batch, dtype=torch.long, device=keys.device)
         kept_basis, gone_basis = (keys, evicted.keys) if self.on == "key" else (values, evicted.values)
-        best, target = most_similar(gone_basis, kept_basis, layer.valid)  # (B, G, E)
+        best, target = most_similar(gone_basis, kept_basis, self._targets(layer))  # (B, G, E)
         gone = evicted.valid[:, None, :]  # (B, 1, E)
+        if self.skip_first or self.skip_newest:  # a token with no slot left to absorb it is just dropped
+            gone = gone & (best > NO_TARGET)
 
         # One threshold per row: EMA of the mean best similarity over heads and evicted tokens; a row
         # that evicted nothing keeps its threshold.
-        count = evicted.valid.sum(-1) * heads
+        count = gone.sum((1, 2)) if gone.shape[1] > 1 else evicted.valid.sum(-1) * heads
         mean_best = (best * gone).sum((1, 2)) / count.clamp_min(1)
         state = layer.state
         if state.tau is None:
@@ -94,39 +123,80 @@ class SimilarityMerge:
         else:
             merged = ((best * gone).mean(1, keepdim=True) >= state.tau[:, None, None]) & gone
             merged = merged.expand_as(best)
+        absorbed = layer.slot_state.get(MERGES)
+        if absorbed is None:
+            absorbed = layer.slot_state[MERGES] = torch.zeros(keys.shape[:3], dtype=torch.int32, device=keys.device)
+        if self.max_merges is not None:
+            merged = merged & (absorbed.gather(2, target) + rank_within_target(target, merged, best) < self.max_merges)
+        self._fold(layer, evicted, best, target, merged)
+        absorbed.scatter_add_(2, target, merged.int())
+        return merged.sum((1, 2))
 
+    def _targets(self, layer) -> torch.Tensor:
+        """(B, G, N) bool: the kept slots that may absorb evicted tokens."""
+        eligible = layer.valid
+        if self.skip_first:
+            eligible = eligible & (layer.token_index >= self.skip_first)
+        if self.skip_newest:
+            eligible = eligible & (layer.token_index < (layer.real_seen - self.skip_newest)[:, None, None])
+        return eligible
+
+    def _fold(self, layer, evicted: Evicted, best, target, merged) -> None:
+        """Write the merged vectors (and, with ``mass``, the slots' new weights) into the layer.
+
+        A kept slot c receiving tokens becomes (w_c * c + sum_e w_e * e) / (d_c + sum_e d_e), with the
+        weights w and denominators d of ``weighting``; the others are left exactly as they are.
+        """
+        keys, values = layer.keys, layer.values
+        if self.weighting == "count" or self.mass:
+            kept_count = layer.weights().exp()  # (B, G, N) tokens each slot stands for
+            gone_count = evicted.log_weight.exp() if evicted.log_weight is not None else torch.ones_like(best)
         if self.weighting == "paper":
-            source_weight = torch.where(merged, best.exp(), 0.0)
-            self_weight = math.e
+            self_weight, source_weight = math.e, best.exp()
+        elif self.weighting == "count":
+            self_weight, source_weight = kept_count, gone_count
         else:
-            source_weight = torch.where(merged, best, 0.0)
-            self_weight = 1.0
+            self_weight, source_weight = 1.0, best
+        source_weight = torch.where(merged, source_weight, 0.0)
         counts = merged.float() if self.weighting == "official" else source_weight
-        # Each kept slot c that receives tokens becomes (w_c * c + sum_e w_e * e) / (w_c + sum_e counts_e);
-        # the others are left as they are.
-        if width == 1:  # a decode step: at most one evicted token per row and head, so one target
+        parts = ((values, evicted.values),) if self.values_only else ((keys, evicted.keys), (values, evicted.values))
+        if target.shape[-1] == 1:  # a decode step: at most one evicted token per row and head, so one target
             row_index, head_index = layer.grid()
             slot, hit = target[..., 0], merged[..., 0, None]
-            denominator = self_weight + counts[..., 0, None]
-            for kept, sources in ((keys, evicted.keys), (values, evicted.values)):
+            own = self_weight if isinstance(self_weight, float) else self_weight[row_index, head_index, slot][..., None]
+            denominator = own + counts[..., 0, None]
+            for kept, sources in parts:
                 current = kept[row_index, head_index, slot]
-                blended = current.float() * self_weight + sources[:, :, 0].float() * source_weight[..., 0, None]
+                blended = current.float() * own + sources[:, :, 0].float() * source_weight[..., 0, None]
                 kept[row_index, head_index, slot] = torch.where(hit, (blended / denominator).to(kept.dtype), current)
         else:
             received = torch.zeros(keys.shape[:3], dtype=torch.int32, device=keys.device)
             received.scatter_add_(2, target, merged.int())
-            denominator = torch.full(keys.shape[:3], self_weight, dtype=torch.float32, device=keys.device)
-            denominator.scatter_add_(2, target, counts)
-            for kept, sources in ((keys, evicted.keys), (values, evicted.values)):
-                numerator = kept.float() * self_weight
+            own = torch.full(keys.shape[:3], self_weight, device=keys.device) if isinstance(self_weight, float) \
+                else self_weight
+            denominator = own.clone().scatter_add_(2, target, counts)
+            for kept, sources in parts:
+                numerator = kept.float() * own[..., None]
                 contribution = sources.float() * source_weight[..., None]
                 numerator.scatter_add_(2, target[..., None].expand_as(contribution), contribution)
                 kept.copy_(torch.where(received[..., None] > 0, numerator / denominator[..., None], kept.float()))
-        absorbed = layer.slot_state.get(MERGES)
-        if absorbed is None:
-            absorbed = layer.slot_state[MERGES] = torch.zeros(keys.shape[:3], dtype=torch.int32, device=keys.device)
-        absorbed.scatter_add_(2, target, merged.int())
-        return merged.sum((1, 2))
+        if self.mass:  # a slot's weight: the tokens it now stands for
+            added = torch.zeros_like(kept_count).scatter_add_(2, target, torch.where(merged, gone_count, 0.0))
+            layer.log_weight = torch.where(added > 0, (kept_count + added).log(), layer.log_weight)
+
+
+def rank_within_target(target: torch.Tensor, merged: torch.Tensor, best: torch.Tensor) -> torch.Tensor:
+    """(B, G, E): for each evicted token, how many merged tokens bound for the same kept slot are
+    more similar to it (ties: the earlier in the list) - its place in that slot's queue."""
+    order = (target.double() * 4 - best.double().clamp(-1, 1)).argsort(dim=-1, stable=True)  # by slot, best first
+    slots, chosen = target.gather(-1, order), merged.gather(-1, order).long()
+    position = torch.arange(slots.shape[-1], device=slots.device).expand_as(slots)
+    starts = torch.ones_like(slots, dtype=torch.bool)
+    starts[..., 1:] = slots[..., 1:] != slots[..., :-1]
+    group_start = torch.where(starts, position, 0).cummax(-1).values
+    before = chosen.cumsum(-1) - chosen
+    rank = before - before.gather(-1, group_start)
+    return torch.empty_like(rank).scatter_(-1, order, rank)
 
 
 def most_similar(sources: torch.Tensor, targets: torch.Tensor, target_valid: torch.Tensor):
@@ -134,12 +204,12 @@ def most_similar(sources: torch.Tensor, targets: torch.Tensor, target_valid: tor
     per KV head, (B, G, K)), and its index."""
     sources = torch.nn.functional.normalize(sources.float(), dim=-1)
     targets_t = torch.nn.functional.normalize(targets.float(), dim=-1).transpose(-1, -2)
-    invalid = ~target_valid[:, :, None, :]
+    invalid = ~target_valid[:, :, None, :]  # scored NO_TARGET: below any cosine similarity
     batch, heads, n_sources, _ = sources.shape
     chunk = max(1, CHUNK_ELEMENTS // max(1, batch * heads * targets.shape[2]))
     best, index = [], []
     for start in range(0, n_sources, chunk):
-        similarity = torch.matmul(sources[:, :, start : start + chunk], targets_t).masked_fill_(invalid, -2.0)
+        similarity = torch.matmul(sources[:, :, start : start + chunk], targets_t).masked_fill_(invalid, NO_TARGET)
         values, indices = similarity.max(dim=-1)
         best.append(values)
         index.append(indices)

@@ -42,8 +42,10 @@ class D2O(H2O):
 
 @dataclass
 class OfficialState(MergeState):
-    """The released code's per-layer state: its merge threshold, and each row's recent part."""
+    """The released code's per-layer state: its merge threshold, the layer's density F_l as the
+    prefill left it, and each row's recent part."""
 
+    density: torch.Tensor | None = None  # (B,) F_l from the prefill's attention only
     recent: torch.Tensor | None = None  # (B,) newest tokens kept, fixed at allocation
 
 
@@ -71,10 +73,15 @@ class D2OOfficial(D2O):
     def new_layer_state(self) -> OfficialState:
         return OfficialState()
 
+    def observe(self, layer, stats) -> None:
+        super().observe(layer, stats)
+        if layer.cache.forwards == 0:  # the prefill: its attention alone gives F_l, as in the released code
+            layer.state.density = layer_density(layer)
+
     def allocate(self, cache, totals: torch.Tensor) -> torch.Tensor:
         n_layers = cache.n_layers
         exempt = {index % n_layers for index in self.exempt_layers}
-        density = torch.stack([layer_density(layer) for layer in cache.layers], dim=-1)  # (B, L)
+        density = torch.stack([layer.state.density for layer in cache.layers], dim=-1)  # (B, L)
         seen = cache.layers[0].real_seen  # the prompt and the first generated token: S + 1
         rho = cache.budget.ratio if cache.budget.ratio is not None else cache.budget.tokens / (seen - 1).clamp_min(1)
         rho = torch.as_tensor(rho, dtype=torch.float64)
