@@ -72,8 +72,9 @@ def attention_stats(
 
     ``kv_valid`` (B, G, N) marks real slots per KV head (the last q are the queries' own),
     ``query_valid`` (B, q) real queries: padding queries contribute nothing; ``log_weight``
-    (B, G, N), if given, is added to the slots' logits (a slot standing for several tokens). Each chunk is one plain matrix product per
-    row and KV head (the query heads of a group stacked), restricted to the keys its rows can see.
+    (B, G, N), if given, is added to the slots' logits (a slot standing for several tokens). Each
+    chunk is one plain matrix product per row and KV head (the query heads of a group stacked),
+    restricted to the keys its rows can see.
     """
     batch, heads, n_query, dim = query.shape
     kv_heads, n_keys = key.shape[1], key.shape[2]
