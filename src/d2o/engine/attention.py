@@ -26,7 +26,7 @@ from d2o.errors import D2OError
 
 # Model families whose attention calls `cache.update` then the registered attention function on
 # unrepeated KV heads, with keys after RoPE (checked in the tests with tiny random models).
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 ATTENTION_NAMES = {"sdpa": "d2o_sdpa", "eager": "d2o_eager"}
 HOOK_ATTRIBUTE = "_d2o_end_of_forward"  # on the decoder: the handle of the forward hook
 STOCK_ATTRIBUTE = "_d2o_stock_attention"  # on the model: the implementation install replaced

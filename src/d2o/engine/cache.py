@@ -22,6 +22,31 @@ from d2o.engine.storage import CompressedLayer
 from d2o.errors import D2OError
 
 
+class _Newest:
+    """A sliding-window layer's rule, the stock cache's: keep the newest tokens."""
+
+    merge = None
+
+    @staticmethod
+    def score(layer: CompressedLayer) -> torch.Tensor:
+        return layer.token_index
+
+    @staticmethod
+    def protected(layer: CompressedLayer, target: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(layer.token_index, dtype=torch.bool)
+
+
+NEWEST = _Newest()
+
+
+def sliding_windows(config) -> list[int | None]:
+    """Per layer: its sliding window, or None for a layer that attends to every token (the layers
+    a budget shares). Hybrid models (Gemma 3) name each layer's kind in ``layer_types``."""
+    kinds = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    return [window if kind == "sliding_attention" and window else None for kind in kinds]
+
+
 class CompressedCache(Cache):
     """A transformers ``Cache`` that compresses each layer to the budget its policy allocates.
 
@@ -52,7 +77,9 @@ class CompressedCache(Cache):
         self.n_layers = config.num_hidden_layers
         groups = config.num_attention_heads // config.num_key_value_heads
         self.kv_repeats = groups if policy.repeats_kv_heads else 1
-        super().__init__(layers=[CompressedLayer(self, i) for i in range(self.n_layers)])
+        super().__init__(layers=[CompressedLayer(self, i, window) for i, window in enumerate(sliding_windows(config))])
+        # Sliding-window layers keep their window, as the stock cache does; the policy compresses the others.
+        self.compressible = [layer.layer_idx for layer in self.layers if layer.window is None]
         self.forwards = 0
         self.allocated = False
         self._holds = 0
@@ -154,34 +181,35 @@ class CompressedCache(Cache):
 
     # -- compression --------------------------------------------------------------------------
     def compress(self) -> None:
-        """Allocate budgets if it is time, then bring every layer over its budget back to it."""
+        """Bring sliding-window layers back to their window; allocate budgets if it is time, then
+        bring every other layer over its budget back to it."""
         if not self.layers[0].is_initialized:
             return
+        for layer in self.layers:
+            if layer.window is not None:
+                self._shrink(layer, layer.n_kept.clamp_max(layer.window - 1), NEWEST)
         if not self.allocated:
             if self.forwards < self.policy.compress_after_forward:
                 return
             self._allocate()
         elif not self.policy.evicts_during_decode:
             return
-        for layer in self.layers:
-            target = self._target(layer)
-            excess = layer.n_kept - target
-            most = int(excess.max())
-            if most == 1 and layer.owns_storage:  # a decode step: one slot per row and head, freed in place
-                self._evict_one(layer, target, None if int(excess.min()) == 1 else excess > 0)
-            elif most > 0:
-                self._compress_layer(layer, target)
+        for index in self.compressible:
+            layer = self.layers[index]
+            self._shrink(layer, self._target(layer), self.policy)
 
     def _allocate(self) -> None:
         prompt = self.layers[0].real_seen
         if self.budget.unlimited:
             budgets = torch.full((len(prompt), self.n_layers), UNLIMITED, dtype=torch.long)
         else:
-            totals = torch.tensor([self.budget.total(self.n_layers, int(n)) for n in prompt.tolist()], dtype=torch.long)
+            layers = len(self.compressible)
+            totals = torch.tensor([self.budget.total(layers, int(n)) for n in prompt.tolist()], dtype=torch.long)
             budgets = self.policy.allocate(self, totals)
         for i, layer in enumerate(self.layers):
             layer.budget = budgets[:, i].to(layer.device)
-            layer.observing = self.policy.evicts_during_decode and bool((layer.budget != UNLIMITED).any())
+            layer.observing = (layer.window is None and self.policy.evicts_during_decode
+                               and bool((layer.budget != UNLIMITED).any()))
         self.allocated = True
 
     def limit(self, layer: CompressedLayer) -> torch.Tensor:
@@ -204,31 +232,32 @@ class CompressedCache(Cache):
         limit = self.limit(layer)
         return torch.where(limit == UNLIMITED, kept, torch.minimum(limit, kept))
 
-    def _compress_layer(self, layer: CompressedLayer, target: torch.Tensor) -> None:
-        policy = self.policy
-        scores = policy.score(layer).float()
-        protected = policy.protected(layer, target)
-        keep, keep_valid = select_kept(scores, protected, layer.token_index, target)
-        evicted = None
-        if policy.merge is not None:
-            evict, evict_valid = evicted_slots(layer.valid, keep, keep_valid, target)
-            evicted = layer.evicted(evict, evict_valid)
-        layer.keep(keep, keep_valid)
-        if evicted is not None:
-            layer.merged += policy.merge.merge(layer, evicted)
+    def _shrink(self, layer: CompressedLayer, target: torch.Tensor, chooser) -> None:
+        """Bring ``layer`` down to ``target`` (B,) tokens per row, keeping what ``chooser`` (the
+        policy, or the window's rule) scores and protects; the policy's merge folds the rest in.
 
-    def _evict_one(self, layer: CompressedLayer, target: torch.Tensor, rows: torch.Tensor | None) -> None:
-        """Evict one token per KV head from each of the rows ``rows`` (B,) bool (None: every row):
-        the one ``select_kept`` would leave out. Its slot is only marked empty; nothing is copied."""
-        policy = self.policy
-        victim = select_victim(policy.score(layer).float(), policy.protected(layer, target), layer.token_index)
+        A decode step evicts one token per row and KV head: its slot is only marked empty, nothing
+        is copied. A larger eviction gathers the kept slots into new tensors."""
+        excess = layer.n_kept - target
+        most = int(excess.max())
+        if most <= 0:
+            return
+        scores, protected = chooser.score(layer).float(), chooser.protected(layer, target)
+        merge = chooser.merge
         evicted = None
-        if policy.merge is not None:
-            evicting = torch.ones_like(target, dtype=torch.bool) if rows is None else rows
-            evicted = layer.evicted(victim[..., None], evicting[:, None])
-        layer.drop(victim, rows)
+        if most == 1 and layer.owns_storage:
+            rows = None if int(excess.min()) == 1 else excess > 0
+            victim = select_victim(scores, protected, layer.token_index)
+            if merge is not None:
+                evicted = layer.evicted(victim[..., None], (excess > 0)[:, None])
+            layer.drop(victim, rows)
+        else:
+            keep, keep_valid = select_kept(scores, protected, layer.token_index, target)
+            if merge is not None:
+                evicted = layer.evicted(*evicted_slots(layer.valid, keep, keep_valid, target))
+            layer.keep(keep, keep_valid)
         if evicted is not None:
-            layer.merged += policy.merge.merge(layer, evicted)
+            layer.merged += merge.merge(layer, evicted)
 
     # -- inspection ---------------------------------------------------------------------------
     @property
@@ -253,18 +282,22 @@ class CompressedCache(Cache):
             bytes_per_token = heads * dim * (layer.keys.element_size() + layer.values.element_size())
             budget = [None] * batch if layer.budget is None else [
                 None if b == UNLIMITED else b for b in self.limit(layer).tolist()]
+            # What the stock cache holds: every fed token (padding included), or its window.
+            full, stock = layer.real_seen, layer.seen
+            if layer.window is not None:
+                full, stock = full.clamp_max(layer.window - 1), min(stock, layer.window - 1)
             layers.append(
                 LayerReport(
                     layer=layer.layer_idx,
+                    window=layer.window,
                     budget=pick(budget),
                     kept=pick(layer.n_kept.tolist()),
-                    full=pick(layer.real_seen.tolist()),
+                    full=pick(full.tolist()),
                     merged=pick(layer.merged.tolist()),
                     floor=pick(self.floor_decides(layer).tolist()),
                     kv_bytes=layer.nbytes * len(picked) // batch,
                     state_bytes=layer.state_nbytes * len(picked) // batch,
-                    # What a DynamicCache would hold: every fed token, padding included.
-                    kv_bytes_full=layer.seen * len(picked) * bytes_per_token,
+                    kv_bytes_full=stock * len(picked) * bytes_per_token,
                     method={name: pick(values) for name, values in self.policy.report(layer).items()},
                 )
             )

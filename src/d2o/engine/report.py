@@ -11,9 +11,10 @@ class LayerReport:
     """What one layer holds after a run (per row of the batch, except bytes)."""
 
     layer: int
-    budget: list[int | None]  # None: not compressed (not yet allocated, or an exempt layer)
+    window: int | None  # a sliding-window layer's window (it keeps the newest window - 1 tokens); None: global
+    budget: list[int | None]  # None: not compressed (not yet allocated, an exempt or a sliding-window layer)
     kept: list[int]
-    full: list[int]  # real tokens seen: what an uncompressed cache would hold
+    full: list[int]  # what the stock cache would hold: real tokens seen, or a sliding window's
     merged: list[int]
     floor: list[bool]  # the floor under a ratio budget, not the ratio's share, set the budget
     kv_bytes: int
@@ -47,6 +48,7 @@ class CacheReport:
             merged = {name: [v for part in parts for v in part.method[name]] for name in parts[0].method}
             layers.append(LayerReport(
                 layer=parts[0].layer,
+                window=parts[0].window,
                 **{name: [v for part in parts for v in getattr(part, name)] for name in PER_ROW},
                 **{name: sum(getattr(part, name) for part in parts) for name in BYTES},
                 method=merged,
@@ -95,14 +97,22 @@ class CacheReport:
             "kv_bytes_full": self.kv_bytes_full,
             "state_bytes": self.state_bytes,
             "layer_budgets": self.layer_budgets,
+            "global_layers": self.global_layers,
             "layers": [layer.as_dict() for layer in self.layers],
         }
+
+    @property
+    def global_layers(self) -> list[int]:
+        """The layers that attend to every token (those a budget compresses)."""
+        return [layer.layer for layer in self.layers if layer.window is None]
 
     def summary(self) -> str:
         """One line: what was held, against the full cache."""
         held = self.method if self.budget is None else f"{self.method} at {self.budget}"
         line = (f"{held}: {self.kv_tokens_kept} of {self.kv_tokens_full} KV tokens, "
                 f"{self.kv_bytes / 2**20:.2f} of {self.kv_bytes_full / 2**20:.2f} MiB")
+        if len(self.global_layers) < len(self.layers):
+            line += f"; global layers {', '.join(map(str, self.global_layers))}, the others slide"
         if self.floor_layers:
             line += f"; the {self.min_tokens}-token floor set {self.floor_layers} of {len(self.layers)} layers"
         return line
@@ -112,6 +122,8 @@ class CacheReport:
         lines = [f"{'layer':>5} {'budget':>7} {'kept':>6} {'full':>6} {'merged':>7} {'KV bytes':>10}  method"]
         for layer in self.layers:
             budget = layer.budget[0] if layer.budget and layer.budget[0] is not None else "-"
+            if layer.window is not None:
+                budget = f"w{layer.window}"
             details = "  ".join(f"{name} {_brief(values[0])}" for name, values in layer.method.items() if values)
             lines.append(
                 f"{layer.layer:>5} {budget!s:>7} {layer.kept[0]:>6} {layer.full[0]:>6} {layer.merged[0]:>7} "

@@ -98,10 +98,12 @@ class CompressedLayer(CacheLayerMixin):
     is_croppable = False  # eviction cannot be undone, so assisted decoding's rollback cannot work
     is_sliding = False
 
-    def __init__(self, cache: CompressedCache, layer_idx: int):
+    def __init__(self, cache: CompressedCache, layer_idx: int, window: int | None = None):
         super().__init__()
         self.cache = cache
         self.layer_idx = layer_idx
+        self.window = window  # a sliding-window layer keeps the newest window - 1 tokens, as the stock cache
+        self.is_sliding = window is not None
         self._clear()
 
     def _clear(self) -> None:
@@ -124,8 +126,9 @@ class CompressedLayer(CacheLayerMixin):
         self.pending = 0  # tokens appended by `update` that the attention hook has not admitted yet
         self.written: torch.Tensor | None = None  # (B, G, 1): where `update` wrote a token in place
         self.holes: torch.Tensor | None = None  # (B, G): slots the last eviction emptied in every row
-        # False once allocated when the layer can never evict: its statistics are then not needed.
-        self.observing = True
+        # False when the layer never evicts by its policy's scores (a sliding-window layer, or once
+        # allocated a layer that can never evict): its statistics are then not needed.
+        self.observing = self.window is None
         # False while the tensors are shared with another cache (a fork): never written in place then.
         self.owns_storage = True
         self._grid: tuple[torch.Tensor, torch.Tensor] | None = None

@@ -111,12 +111,13 @@ class Method:
         return 0
 
     def allocate(self, cache: CompressedCache, totals: torch.Tensor) -> torch.Tensor:
-        """Per-row, per-layer budgets (B, L) summing to ``totals`` (B,) over all layers."""
+        """Per-row, per-layer budgets (B, L) summing to ``totals`` (B,) over the layers a budget
+        shares (every layer but sliding-window ones); the others are UNLIMITED."""
         n_layers = cache.n_layers
         for index in self.exempt_layers:
             check(-n_layers <= index < n_layers, "exempt_layers", index, f"is not a layer of a {n_layers}-layer model")
-        exempt = sorted({index % n_layers for index in self.exempt_layers})
-        active = [i for i in range(n_layers) if i not in exempt]
+        exempt = sorted({index % n_layers for index in self.exempt_layers} & set(cache.compressible))
+        active = [i for i in cache.compressible if i not in exempt]
         prompt = cache.layers[0].real_seen
         weights = self.allocation.weights(cache, active).double()  # (B, len(active))
         budgets = torch.full((len(prompt), n_layers), UNLIMITED, dtype=torch.long)

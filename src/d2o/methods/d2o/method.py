@@ -79,9 +79,9 @@ class D2OOfficial(D2O):
             layer.state.density = layer_density(layer)
 
     def allocate(self, cache, totals: torch.Tensor) -> torch.Tensor:
-        n_layers = cache.n_layers
-        exempt = {index % n_layers for index in self.exempt_layers}
-        density = torch.stack([layer.state.density for layer in cache.layers], dim=-1)  # (B, L)
+        n_layers = len(cache.compressible)  # the layers a budget shares (not sliding-window ones)
+        exempt = {cache.compressible[index % n_layers] for index in self.exempt_layers}
+        density = torch.stack([cache.layers[i].state.density for i in cache.compressible], dim=-1)  # (B, L)
         seen = cache.layers[0].real_seen  # the prompt and the first generated token: S + 1
         rho = cache.budget.ratio if cache.budget.ratio is not None else cache.budget.tokens / (seen - 1).clamp_min(1)
         rho = torch.as_tensor(rho, dtype=torch.float64)
@@ -89,11 +89,12 @@ class D2OOfficial(D2O):
         scored, recent = self.split
         heavy = ((seen[:, None] * ratios * scored / (scored + recent)).floor()).long()
         recent_part = ((seen[:, None] * ratios * recent / (scored + recent)).floor()).long()
-        budgets = (heavy + recent_part).clamp_min(self.min_layer_budget)
-        for index in exempt:
-            budgets[:, index] = UNLIMITED
-        for i, layer in enumerate(cache.layers):
-            layer.state.recent = recent_part[:, i]
+        budgets = torch.full((len(seen), cache.n_layers), UNLIMITED, dtype=torch.long)
+        budgets[:, cache.compressible] = (heavy + recent_part).clamp_min(self.min_layer_budget)
+        for position, i in enumerate(cache.compressible):
+            cache.layers[i].state.recent = recent_part[:, position]
+            if i in exempt:
+                budgets[:, i] = UNLIMITED
         return budgets
 
     def protected(self, layer, target: torch.Tensor) -> torch.Tensor:
