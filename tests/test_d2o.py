@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from d2o import D2OError, get_method
+from d2o.engine.cache import CompressedCache
 from d2o.engine.storage import CompressedLayer
 from d2o.methods.allocation import InverseVariance, Pyramid, conserve, layer_density
 from d2o.methods.d2o import SimilarityMerge
@@ -152,7 +153,7 @@ def test_inverse_variance_budgets_favour_dense_layers_and_conserve_the_total():
     with torch.inference_mode():
         model(input_ids=random_ids(200), cache=cache)
     # Recompute F from an uncompressed copy of the statistics.
-    reference = make_cache(model, "d2o", 1.0)
+    reference = CompressedCache(model, get_method("d2o"), 1.0, observe=True)
     with torch.inference_mode():
         model(input_ids=random_ids(200), cache=reference)
     density = torch.tensor([float(layer_density(layer)[0]) for layer in reference.layers])

@@ -74,6 +74,14 @@ def _make_attention(backend: str):
             layer.cache.policy.observe(layer, stats)
             return output, None
 
+        if request is not None and request.column_mass and n_query > 1 and backend == "sdpa":
+            # Every row's probabilities are needed anyway: the output comes from them too.
+            stats = attention_stats(query, key, kv_valid.expand(-1, key.shape[1], -1),
+                                    kv_valid.new_ones((batch, n_query)) if new_valid is None else new_valid,
+                                    scaling, request, window_mask, log_weight, value)
+            layer.cache.policy.observe(layer, stats)
+            return stats.output, None
+
         mask = None
         plain = every_slot and log_weight is None
         if not plain or (backend == "eager" and n_query > 1) or n_query not in (1, n_keys):

@@ -64,13 +64,16 @@ class CompressedCache(Cache):
     ``with cache.hold(): ...`` defers compression (a chunked prefill scored as a whole).
     """
 
-    def __init__(self, model, policy: Policy, budget: Budget | str | float = 0.2):
+    def __init__(self, model, policy: Policy, budget: Budget | str | float = 0.2, observe: bool | None = None):
+        """``observe``: compute the policy's statistics even under a budget that never evicts (a
+        prefill that forks will share); by default only when something can be evicted, so that a
+        budget of 1 runs the stock kernels alone."""
         if isinstance(policy, str):
             raise D2OError(f"CompressedCache takes a method object, not the name {policy!r}: "
                            f"d2o.get_method({policy!r}) builds one")
-        self._setup(model.config.get_text_config(), policy, budget)
+        self._setup(model.config.get_text_config(), policy, budget, observe)
 
-    def _setup(self, config, policy: Policy, budget) -> None:
+    def _setup(self, config, policy: Policy, budget, observe: bool | None = None) -> None:
         self.config = config
         self.policy = policy
         self.budget = Budget.parse(budget)
@@ -80,6 +83,9 @@ class CompressedCache(Cache):
         super().__init__(layers=[CompressedLayer(self, i, window) for i, window in enumerate(sliding_windows(config))])
         # Sliding-window layers keep their window, as the stock cache does; the policy compresses the others.
         self.compressible = [layer.layer_idx for layer in self.layers if layer.window is None]
+        if self.budget.unlimited and not observe:  # nothing will ever be evicted: no statistics
+            for layer in self.layers:
+                layer.observing = False
         self.forwards = 0
         self.allocated = False
         self._holds = 0

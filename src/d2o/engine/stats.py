@@ -31,12 +31,14 @@ class AttentionStats:
 
     ``n_query``: the queries of the pass. ``column_mass``: (B, G, group, N) float32, or None.
     ``window``: (B, G, group, w, N) float32 (the rows of the last w queries; rows of padding
-    queries are zero), or None.
+    queries are zero), or None. ``output``: (B, H, q, D), the attention's output, when the values
+    were given (the statistics then computed it from the same probabilities).
     """
 
     n_query: int
     column_mass: torch.Tensor | None = None
     window: torch.Tensor | None = None
+    output: torch.Tensor | None = None
 
 
 def allowed_keys(
@@ -67,8 +69,11 @@ def attention_stats(
     request: StatsRequest,
     window_mask=None,
     log_weight: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
 ) -> AttentionStats:
-    """Compute ``request`` for queries (B, H, q, D) over keys (B, G, N, D), exactly, in query chunks.
+    """Compute ``request`` for queries (B, H, q, D) over keys (B, G, N, D), exactly, in query chunks;
+    with ``value`` (B, G, N, D) given and column mass asked for, the attention output as well, from
+    the same probabilities (one pass over the scores instead of two).
 
     ``kv_valid`` (B, G, N) marks real slots per KV head (the last q are the queries' own),
     ``query_valid`` (B, q) real queries: padding queries contribute nothing; ``log_weight``
@@ -87,19 +92,24 @@ def attention_stats(
     mass = key.new_zeros((batch, kv_heads, group, n_keys), dtype=torch.float32) if request.column_mass else None
     window = key.new_zeros((batch, kv_heads, group, window_rows, n_keys), dtype=torch.float32) if window_rows else None
     first = 0 if request.column_mass else window_start  # only the window's rows are needed without mass
+    work = torch.promote_types(query.dtype, torch.float32)  # float32 at least (a float64 model keeps float64)
+    output = None
+    if value is not None and request.column_mass:
+        output = torch.empty((batch, heads, n_query, value.shape[-1]), dtype=work, device=query.device)
     chunk = min(n_query - first, max(1, CHUNK_ELEMENTS // max(1, group * n_keys)))
-    lowest = torch.finfo(torch.float32).min
+    lowest = torch.finfo(work).min
     # Only the rows from `first` on are needed (all of them for column mass, the window's otherwise).
-    queries = (query[:, :, first:].float() * scaling).view(batch, kv_heads, group, n_query - first, dim)
+    queries = (query[:, :, first:].to(work) * scaling).view(batch, kv_heads, group, n_query - first, dim)
     # One buffer for every chunk's scores, turned into probabilities in place: fresh multi-MB
     # tensors per chunk would cost a page fault per 4 KB each time.
-    buffer = torch.empty(group * chunk * n_keys, dtype=torch.float32, device=key.device)
+    buffer = torch.empty(group * chunk * n_keys, dtype=work, device=key.device)
     future = torch.ones(chunk, chunk, dtype=torch.bool, device=key.device).triu_(1)  # within a chunk's own block
     for b in range(batch):
         padded_queries = not bool(query_valid[b].all())
         padded_keys = not bool(kv_valid[b].all())
         for g in range(kv_heads):
-            keys_t = key[b, g].float().t().contiguous()  # (D, N)
+            keys_t = key[b, g].to(work).t().contiguous()  # (D, N)
+            values_g = value[b, g].to(work) if output is not None else None
             for start in range(first, n_query, chunk):
                 end = min(n_query, start + chunk)
                 rows, visible = end - start, past + end  # later slots are invisible to every row
@@ -118,6 +128,8 @@ def attention_stats(
                     allowed = window_mask(start, end, visible)[b]
                     scores.masked_fill_(~allowed[g if allowed.shape[0] > 1 else 0], lowest)
                 probs = torch.softmax(scores, dim=-1, out=scores)
+                if output is not None:
+                    torch.matmul(probs, values_g[:visible], out=output[b, g * group : (g + 1) * group, start:end])
                 if padded_queries:
                     probs.mul_(query_valid[b, None, start:end, None])
                 if mass is not None:
@@ -125,7 +137,9 @@ def attention_stats(
                 if window is not None and end > window_start:
                     low = max(start, window_start)
                     window[b, g, :, low - window_start : end - window_start, :visible] = probs[:, low - start :]
-    return AttentionStats(n_query, column_mass=mass, window=window)
+    if output is not None:
+        output = output.transpose(1, 2).to(query.dtype)  # (B, q, H, D), as attention functions return it
+    return AttentionStats(n_query, column_mass=mass, window=window, output=output)
 
 
 # Logits held at once while computing surprisal (float32 elements): 16 MB.

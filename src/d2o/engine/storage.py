@@ -211,7 +211,9 @@ class CompressedLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
+        observing = self.observing
         self._clear()
+        self.observing = observing
 
     def crop(self, tokens_to_remove: int) -> None:
         raise D2OError("a compressed cache cannot be cropped: evicted tokens are gone (assisted decoding needs crop)")

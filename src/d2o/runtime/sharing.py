@@ -100,7 +100,7 @@ class SharedPrefill:
 
     def __init__(self, model, methods: list[Method]):
         self.methods = list(methods)
-        self.cache = CompressedCache(model, _Observers(methods=self.methods), budget=1.0)
+        self.cache = CompressedCache(model, _Observers(methods=self.methods), budget=1.0, observe=True)
 
     def fork(self, index: int, budget) -> CompressedCache:
         """Method ``index``'s own cache at ``budget``, compressed now if the method compresses after the prefill."""
