@@ -76,3 +76,12 @@ def test_a_row_alone_peaks_within_its_plan_and_reaches_its_peak(method, budget, 
 def test_the_exactness_check_above_is_not_vacuous():
     _, peaks = prefilled(tiny_model(), "h2o", "0.3", 0, [40], 20)
     assert bool((peaks[0] < 60).all())  # so h2o-0.3-0 at length 40 asserts most == bound
+
+
+def test_a_prompt_under_the_floor_plans_what_the_full_cache_holds():
+    """Nothing is evicted while a row stays under the floor: no slot for an eviction is needed."""
+    config = tiny_model().config
+    full = plan(config, d2o.get_method("full"), d2o.Budget.parse(1.0), 37, 12)
+    assert plan(config, d2o.get_method("d2o"), d2o.Budget.parse(0.2), 37, 12) == full
+    longer = plan(config, d2o.get_method("d2o"), d2o.Budget.parse(0.2), 200, 12)
+    assert longer.held_bytes == (128 + 1) * 4 * slot_bytes(config, 4, d2o.get_method("d2o"))

@@ -77,6 +77,41 @@ def generate(
 
 
 @app.command()
+def serve(
+    model: str = typer.Option("smollm2", help="'smollm2' (embedded) or a local model folder."),
+    method: str = typer.Option("d2o", help="The method of a request that names none (kv_method)."),
+    budget: str = typer.Option("0.2", help="The budget of a request that names none (kv_budget). " + BUDGET_HELP),
+    min_tokens: Optional[int] = typer.Option(None, help=FLOOR_HELP),
+    kv_memory: str = typer.Option("512MB", help="KV cache memory cap: 512MB, 2GiB or bytes."),
+    host: str = typer.Option("127.0.0.1"),
+    port: int = typer.Option(8000),
+    max_queue: int = typer.Option(64, help="Requests waiting for memory; beyond, HTTP 503."),
+    max_tokens: int = typer.Option(256, help="max_tokens of a request that does not say."),
+    replicas: int = typer.Option(0, help="N > 0: N replicas behind Ray Serve's proxy (pip install 'd2o[ray]')."),
+    dtype: str = typer.Option("float32"),
+    attention: str = typer.Option("sdpa"),
+    device_map: Optional[str] = typer.Option(None, help="'auto': spread the layers over the GPUs (accelerate)."),
+):
+    """An OpenAI-compatible server: continuous batching, admission by KV memory (see README, Serving)."""
+    from d2o.serve.config import ServeConfig, parse_size
+
+    config = ServeConfig(model=model, method=method, budget=budget, min_tokens=min_tokens,
+                         kv_memory=parse_size(kv_memory), max_queue=max_queue, max_tokens=max_tokens, dtype=dtype,
+                         attention=attention, device_map=device_map)
+    if replicas < 0:
+        raise D2OError(f"replicas must be >= 0, got {replicas}")
+    config.check()  # before the model loads
+    if replicas:
+        from d2o.serve.ray_serve import run_replicas
+
+        run_replicas(config, replicas, host, port)
+    else:
+        from d2o.serve.app import run
+
+        run(config, host, port)
+
+
+@app.command()
 def methods():
     """List the compression methods."""
     from d2o.methods import REGISTRY

@@ -53,8 +53,9 @@ def plan(config, method: Method, budget: Budget, prompt_tokens: int, new_tokens:
     else:
         share = budget.total(n_layers, prompt_tokens) - exempt * prompt_tokens  # what the active layers share
         if method.evicts_during_decode:
-            # At its budget, or growing to the floor; plus the slot each step writes before it evicts.
-            held = max(share, active * budget.floor(length)) + active
+            # At its budget, or growing to the floor; plus the slot each step writes before it evicts,
+            # which a row that never outgrows its budget (every token fits) never needs.
+            held = min(max(share, active * budget.floor(length)) + active, active * length)
         else:
             held = share + active * new_tokens
         held += exempt * length
