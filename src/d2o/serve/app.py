@@ -103,7 +103,7 @@ async def answer(engine: Engine, kind: str, body, prompt, max_tokens: int | None
             if event == "error":
                 raise payload
         done = True
-        return response(kind, rid, engine.name, payload.text, payload, kv(job))
+        return response(kind, rid, engine.name, payload.text, payload, extras(engine, job))
     except ClientGone:
         return Response(status_code=499)
     finally:
@@ -134,7 +134,7 @@ async def stream(engine: Engine, job: Job, kind: str, rid: str, include_usage: b
                 finished = True
                 yield sse(chunk(kind, rid, name, None, payload.finish_reason))
                 if include_usage:
-                    yield sse({**usage_chunk(kind, rid, name, payload), **kv(job)})
+                    yield sse({**usage_chunk(kind, rid, name, payload), **extras(engine, job)})
             else:
                 finished = True
                 yield sse(payload.body())
@@ -144,8 +144,9 @@ async def stream(engine: Engine, job: Job, kind: str, rid: str, include_usage: b
             engine.cancel(job)
 
 
-def kv(job: Job) -> dict:
-    return {"kv_method": job.key[0], "kv_budget": job.key[1]}
+def extras(engine: Engine, job: Job) -> dict:
+    """The cache the request ran with, and which server (replica) answered."""
+    return {"kv_method": job.key[0], "kv_budget": job.key[1], "system_fingerprint": engine.fingerprint}
 
 
 def sse(obj: dict) -> str:

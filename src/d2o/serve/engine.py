@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import uuid
 from collections import deque
 from dataclasses import dataclass
 
@@ -131,6 +132,7 @@ class Engine:
         config.check()
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.name = config.model
+        self.fingerprint = "d2o-" + uuid.uuid4().hex[:12]  # tells replicas apart
         self.cap = config.kv_memory
         self.stops = stop_token_ids(model, tokenizer)
         self.dtype_bytes = next(model.parameters()).element_size()

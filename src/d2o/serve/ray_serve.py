@@ -8,6 +8,7 @@ memory cap), behind Ray's HTTP proxy, which spreads requests over them.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import time
 from dataclasses import fields
@@ -17,8 +18,9 @@ from ray import serve
 from d2o.errors import D2OError
 from d2o.serve.config import ServeConfig, parse_size
 
-# Quiet and private: no usage reporting, no token written into $HOME (Ray >= 2.5x enables it).
+# Quiet and private: no usage reporting, no auth token written into $HOME (recent Ray enables it).
 QUIET = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+_temp: list[str] = []  # the temp folder of the local Ray this process started
 
 
 @serve.deployment(max_ongoing_requests=256, graceful_shutdown_timeout_s=2, graceful_shutdown_wait_loop_s=0.5)
@@ -41,7 +43,8 @@ class D2OServer:
         return create_app(self.engine)
 
     def __del__(self):
-        self.engine.close()
+        if hasattr(self, "engine"):
+            self.engine.close()
 
 
 def application(config: ServeConfig, replicas: int = 1, cpus: float = 1, gpus: float = 0):
@@ -65,29 +68,32 @@ def build_app(args: dict):
     return application(ServeConfig(**args), **deployment)
 
 
-def start(config: ServeConfig, replicas: int, host: str, port: int, cpus: int | None = None) -> None:
-    """A private local Ray (its own temp folder, no dashboard) running ``replicas`` servers
-    behind its proxy on ``host:port``; returns once every replica is up."""
+def start(app, host: str, port: int, cpus: int | None = None) -> None:
+    """A private local Ray (its own temp folder, no dashboard) running the Serve application
+    ``app`` behind its proxy on ``host:port``; returns once every replica is up."""
     import ray
 
     os.environ.update(QUIET)
-    ray.init(address="local", num_cpus=cpus or max(replicas, os.cpu_count() or 1), include_dashboard=False,
-             log_to_driver=False, logging_level="WARNING", object_store_memory=100 * 2**20,
-             _temp_dir=tempfile.mkdtemp(prefix="d2o-ray-"))
+    _temp.append(tempfile.mkdtemp(prefix="d2o-ray-"))  # short: Ray's socket paths live in it
+    ray.init(address="local", num_cpus=cpus or os.cpu_count() or 1, include_dashboard=False, log_to_driver=False,
+             logging_level="WARNING", object_store_memory=100 * 2**20, _temp_dir=_temp[-1])
     serve.start(http_options={"host": host, "port": port}, logging_config={"log_level": "WARNING"})
-    serve.run(application(config, replicas), name="d2o", route_prefix="/")
+    serve.run(app, name="d2o", route_prefix="/")
 
 
 def stop() -> None:
+    """Shut Serve and the local Ray down, and remove Ray's temp folder (its logs too)."""
     import ray
 
     serve.shutdown()
     ray.shutdown()
+    while _temp:
+        shutil.rmtree(_temp.pop(), ignore_errors=True)
 
 
 def run_replicas(config: ServeConfig, replicas: int, host: str, port: int) -> None:
     """``d2o serve --replicas N``: serve until interrupted."""
-    start(config, replicas, host, port)
+    start(application(config, replicas), host, port, cpus=max(replicas, os.cpu_count() or 1))
     print(f"d2o: {replicas} replicas of {config.model} behind http://{host}:{port}/v1 (Ctrl-C stops)", flush=True)
     try:
         while True:
