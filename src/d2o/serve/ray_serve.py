@@ -7,10 +7,12 @@ memory cap), behind Ray's HTTP proxy, which spreads requests over them.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
+import signal
 import tempfile
-import time
+import threading
 from dataclasses import fields
 
 from ray import serve
@@ -92,13 +94,14 @@ def stop() -> None:
 
 
 def run_replicas(config: ServeConfig, replicas: int, host: str, port: int) -> None:
-    """``d2o serve --replicas N``: serve until interrupted."""
+    """``d2o serve --replicas N``: serve until SIGINT (Ctrl-C) or SIGTERM."""
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)
     start(application(config, replicas), host, port, cpus=max(replicas, os.cpu_count() or 1))
     print(f"d2o: {replicas} replicas of {config.model} behind http://{host}:{port}/v1 (Ctrl-C stops)", flush=True)
+    done = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: done.set())
     try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        pass
+        done.wait()
     finally:
         stop()
