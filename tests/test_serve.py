@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from d2o.budget import Budget
 from d2o.cli import main
@@ -25,6 +23,7 @@ from d2o.methods import get_method
 from d2o.runtime.generation import generate
 from d2o.runtime.memory import plan
 from d2o.serve.app import create_app
+from d2o.serve.app import serving as in_thread
 from d2o.serve.config import ServeConfig, parse_size
 from d2o.serve.engine import Engine
 
@@ -34,24 +33,13 @@ QUESTION = "What is the capital of France?"
 
 @contextlib.contextmanager
 def serving(model, tokenizer, **options):
-    """An engine and its app under uvicorn on 127.0.0.1; yields (base url, engine)."""
+    """An engine on the model and its app under uvicorn on 127.0.0.1; yields (base url, engine)."""
     engine = Engine(model, tokenizer, ServeConfig(**options))
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(engine), log_level="warning", timeout_graceful_shutdown=1))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
     try:
-        while not server.started:
-            assert thread.is_alive(), "uvicorn did not start"
-            time.sleep(0.01)
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}", engine
+        with in_thread(create_app(engine)) as url:
+            yield url, engine
     finally:
-        server.should_exit = True
-        thread.join(10)
         engine.close()
-        sock.close()
 
 
 def client(url: str) -> openai.OpenAI:

@@ -217,6 +217,41 @@ def bench_decode(
     print_rows(run(net, tokenizer, parsed[1], method, parsed[0], steps, repeats), as_json)
 
 
+@bench_app.command("serve")
+def bench_serve(
+    model: str = typer.Option("smollm2"),
+    methods: str = typer.Option("full,d2o", help="Comma-separated methods, each served under the same cap."),
+    budget: str = typer.Option("0.2", help=BUDGET_HELP),
+    min_tokens: Optional[int] = typer.Option(None, help=FLOOR_HELP),
+    kv_memory: str = typer.Option("128MB", help="The KV memory cap of every server: 512MB, 2GiB or bytes."),
+    clients: int = typer.Option(8, help="Concurrent clients."),
+    requests: int = typer.Option(16, help="Requests in all (each client sends its next when one ends)."),
+    prompt_tokens: int = typer.Option(1000, help="Tokens per prompt (different stretches of the essays)."),
+    max_tokens: int = typer.Option(64, help="max_tokens of every request."),
+    out: Optional[Path] = typer.Option(None, help="Write the rows as JSON to this file."),
+):
+    """Requests/s, tokens/s, latency and time to first token of a server per method, same KV memory."""
+    from d2o.runtime.generation import resolve
+    from d2o.serve.config import parse_size
+
+    cap, names = parse_size(kv_memory), split_list(methods)
+    for name in names:
+        resolve(name, Budget.parse(budget, min_tokens))
+    if min(clients, requests, prompt_tokens, max_tokens) < 1:
+        raise D2OError("clients, requests, prompt-tokens and max-tokens must be at least 1")
+
+    from d2o.bench.serve import bench_serve as run
+    from d2o.bench.serve import markdown
+
+    net, tokenizer = load(model)
+    rows = run(net, tokenizer, [(name, budget) for name in names], cap, clients, requests, prompt_tokens, max_tokens,
+               min_tokens)
+    print(markdown(rows))
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(rows, indent=1) + "\n")
+
+
 def load(model: str, **options):
     """``d2o.load_model``, quietly (no progress bars of transformers on the terminal)."""
     from transformers.utils import logging

@@ -9,11 +9,16 @@ cancels its request: a stream's generator is cancelled at once, a plain request 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import socket
+import threading
+import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
 from d2o.serve.engine import Engine, Job
@@ -96,7 +101,10 @@ async def answer(engine: Engine, kind: str, body, prompt, max_tokens: int | None
             raise payload
         if body.stream:
             done = True  # the stream's generator owns the job from here
-            return StreamingResponse(stream(engine, job, kind, rid, body.include_usage), media_type="text/event-stream",
+            # Runs once the stream has ended or its client has gone (a finished job ignores it).
+            cancel = BackgroundTask(engine.cancel, job)
+            return StreamingResponse(stream(engine, job, kind, rid, body.include_usage), background=cancel,
+                                     media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         while event != "done":
             event, payload = await next_event(job, request)
@@ -121,27 +129,24 @@ async def next_event(job: Job, request: Request):
 
 
 async def stream(engine: Engine, job: Job, kind: str, rid: str, include_usage: bool):
-    """Server-sent events: the text as it becomes final, the finish reason, the usage if asked."""
+    """Server-sent events: the text as it becomes final, the finish reason, the usage if asked.
+    A client that goes away cancels this generator; the response's background task then cancels
+    the job."""
     name, finished = engine.name, False
-    try:
-        if kind == CHAT:
-            yield sse(chunk(kind, rid, name, "", first=True))
-        while not finished:
-            event, payload = await job.events.get()
-            if event == "delta":
-                yield sse(chunk(kind, rid, name, payload))
-            elif event == "done":
-                finished = True
-                yield sse(chunk(kind, rid, name, None, payload.finish_reason))
-                if include_usage:
-                    yield sse({**usage_chunk(kind, rid, name, payload), **extras(engine, job)})
-            else:
-                finished = True
-                yield sse(payload.body())
-        yield "data: [DONE]\n\n"
-    finally:
-        if not finished:
-            engine.cancel(job)
+    if kind == CHAT:
+        yield sse(chunk(kind, rid, name, "", first=True))
+    while not finished:
+        event, payload = await job.events.get()
+        finished = event != "delta"
+        if event == "delta":
+            yield sse(chunk(kind, rid, name, payload))
+        elif event == "done":
+            yield sse(chunk(kind, rid, name, None, payload.finish_reason))
+            if include_usage:
+                yield sse({**usage_chunk(kind, rid, name, payload), **extras(engine, job)})
+        else:
+            yield sse(payload.body())
+    yield "data: [DONE]\n\n"
 
 
 def extras(engine: Engine, job: Job) -> dict:
@@ -163,3 +168,27 @@ def run(config, host: str = "127.0.0.1", port: int = 8000) -> None:
         uvicorn.run(create_app(engine), host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
     finally:
         engine.close()
+
+
+@contextlib.contextmanager
+def serving(app, host: str = "127.0.0.1"):
+    """``app`` under uvicorn in a thread of this process, on a socket bound here (no port race);
+    yields its base URL. For tests and benchmarks."""
+    import uvicorn
+
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            if not thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.01)
+        yield f"http://{host}:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
