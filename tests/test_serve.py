@@ -20,6 +20,7 @@ from d2o.cli import main
 from d2o.data import essay_tokens
 from d2o.errors import D2OError
 from d2o.methods import get_method
+from d2o.models import load_model
 from d2o.runtime.generation import generate
 from d2o.runtime.memory import plan
 from d2o.serve.app import create_app
@@ -279,6 +280,14 @@ def test_a_full_queue_answers_503_with_retry_after(real_model):
 
 
 # -- the command line ------------------------------------------------------------------------------
+def test_a_device_map_loads_the_model_where_accelerate_puts_it(real_model):
+    model, tokenizer = load_model("smollm2", device_map="cpu")
+    assert generate(model, tokenizer, QUESTION, max_new_tokens=4).texts == generate(
+        *real_model, QUESTION, max_new_tokens=4).texts
+    with pytest.raises(D2OError, match="not both"):
+        load_model("smollm2", device="cpu", device_map="auto")
+
+
 def test_memory_sizes():
     assert [parse_size(s) for s in ("512MB", "2GiB", "1.5GB", "4096", " 64 kib ")] == [
         512 * 10**6, 2 * 2**30, 1_500_000_000, 4096, 64 * 1024]
@@ -287,11 +296,11 @@ def test_memory_sizes():
             parse_size(bad)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--kv-memory", "12XB"], "memory size '12XB'"),
-    (["--budget", "2"], "budget ratio must be in (0, 1]"),
+@pytest.mark.parametrize("args, message", [  # (a bad --kv-memory or --budget: tests/test_errors.py)
     (["--method", "nope"], "unknown method 'nope'"),
+    (["--budget", "2t"], "budget 2t leaves 2 tokens per layer"),
     (["--replicas", "-1"], "replicas must be >= 0"),
+    (["--max-queue", "-1"], "max_queue must be >= 0"),
 ])
 def test_bad_serve_options_are_one_line_and_exit_code_2(monkeypatch, capsys, args, message):
     monkeypatch.setattr("sys.argv", ["d2o", "serve", *args])

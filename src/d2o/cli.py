@@ -231,14 +231,16 @@ def bench_serve(
     out: Optional[Path] = typer.Option(None, help="Write the rows as JSON to this file."),
 ):
     """Requests/s, tokens/s, latency and time to first token of a server per method, same KV memory."""
-    from d2o.runtime.generation import resolve
     from d2o.serve.config import parse_size
 
-    cap, names = parse_size(kv_memory), split_list(methods)
-    for name in names:
-        resolve(name, Budget.parse(budget, min_tokens))
+    cap, names, parsed = parse_size(kv_memory), split_list(methods), Budget.parse(budget, min_tokens)
     if min(clients, requests, prompt_tokens, max_tokens) < 1:
         raise D2OError("clients, requests, prompt-tokens and max-tokens must be at least 1")
+
+    from d2o.runtime.generation import resolve
+
+    for name in names:
+        resolve(name, parsed)
 
     from d2o.bench.serve import bench_serve as run
     from d2o.bench.serve import markdown

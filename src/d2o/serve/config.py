@@ -43,10 +43,12 @@ class ServeConfig:
 
     def check(self) -> None:
         """Refuse bad options before anything heavy loads (the method and budget too)."""
-        from d2o.runtime.generation import resolve
-
-        resolve(self.method, Budget.parse(self.budget, self.min_tokens))
+        budget = Budget.parse(self.budget, self.min_tokens)
         if self.max_queue < 0:
             raise D2OError(f"max_queue must be >= 0, got {self.max_queue}")
         if self.max_tokens < 1:
             raise D2OError(f"max_tokens must be at least 1, got {self.max_tokens}")
+
+        from d2o.runtime.generation import resolve  # torch loads here, the model not yet
+
+        resolve(self.method, budget)
