@@ -17,13 +17,9 @@ beyond the queue, HTTP 503. A request that could not fit even alone is refused a
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import uuid
 from collections import deque
-from dataclasses import dataclass
-
-import torch
 
 from d2o.budget import Budget
 from d2o.engine.cache import CompressedCache
@@ -31,98 +27,14 @@ from d2o.errors import D2OError
 from d2o.methods import get_method
 from d2o.runtime.decoding import Batch, Sampling, Sequence
 from d2o.runtime.generation import resolve
-from d2o.runtime.memory import padded_bytes, peak_slots, plan, slot_bytes, slot_widths
+from d2o.runtime.memory import peak_slots, plan, slot_bytes
 from d2o.runtime.prompts import check_length, encode, stop_token_ids
 from d2o.serve.config import ServeConfig
+from d2o.serve.jobs import Job, Lane, stable_text
 from d2o.serve.protocol import APIError, Generation
 from d2o.serve.stats import Stats
 
 RETRY_AFTER = 1  # seconds a client told to retry waits
-
-
-@dataclass
-class Result:
-    """A finished request: its text and what its cache held when it finished."""
-
-    text: str
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-    kv_tokens: int
-    kv_tokens_full: int
-    kv_bytes: int
-    kv_bytes_full: int
-
-
-class Job:
-    """One request: its prompt's token ids, its row's rules, its KV plan, and the queue through
-    which its events ("started", "delta", "done", "error") reach the handler's event loop."""
-
-    def __init__(self, ids, sequence, method, budget, kv_plan, stream: bool, loop):
-        self.ids, self.sequence, self.method, self.budget, self.plan = ids, sequence, method, budget, kv_plan
-        self.key = (method.name, str(budget) if not method.keeps_everything else "1")
-        self.stream = stream
-        self.loop = loop
-        self.events: asyncio.Queue = asyncio.Queue()
-        self.cancelled = False
-        self.peaks: torch.Tensor | None = None  # (L,) its row's most slots per layer, once prefilled
-        self.sent = ""  # text streamed so far
-        self.counted = 0  # tokens counted in the statistics so far
-
-    def emit(self, kind: str, payload=None) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
-        except RuntimeError:  # the event loop has closed: nobody is listening
-            pass
-
-    def result(self) -> Result:
-        seq, report = self.sequence, self.sequence.report
-        return Result(seq.text, seq.finish_reason, seq.prompt_tokens, len(seq.tokens), report.kv_tokens_kept,
-                      report.kv_tokens_full, report.kv_bytes, report.kv_bytes_full)
-
-
-def stable_text(sequence: Sequence) -> str:
-    """The answer so far, less what a later token could still change: an incomplete UTF-8
-    character at its end, and an ending that could be the start of a stop string."""
-    if sequence.finished:
-        return sequence.text
-    text = sequence.raw_text.rstrip("\ufffd")
-    hold = max((k for stop in sequence.stop_strings for k in range(1, len(stop)) if text.endswith(stop[:k])),
-               default=0)
-    return text[:len(text) - hold]
-
-
-class Lane:
-    """Rows of one method and budget decoding together: one ``Batch`` and each row's job."""
-
-    def __init__(self, batch: Batch, job: Job, per_slot: int):
-        self.key, self.batch, self.per_slot = job.key, batch, per_slot
-        self.jobs = {id(job.sequence): job}
-
-    def rows(self) -> list[Job]:
-        return [self.jobs[id(sequence)] for sequence in self.batch.sequences]
-
-    def bound(self, newcomer: Batch | None = None, job: Job | None = None) -> int:
-        """The most bytes this lane can hold (with ``newcomer``'s row joined, if given)."""
-        widths, peaks = slot_widths(self.batch.cache), [j.peaks for j in self.rows()]
-        if newcomer is not None:
-            widths = [max(a, b) for a, b in zip(widths, slot_widths(newcomer.cache))]
-            peaks.append(job.peaks)
-        return padded_bytes(widths, torch.stack(peaks), self.per_slot) if peaks else 0
-
-    def join(self, batch: Batch, job: Job) -> None:
-        self.batch.join(batch)
-        self.jobs[id(job.sequence)] = job
-
-    def drop_cancelled(self) -> list[Job]:
-        rows = self.rows()
-        keep = [i for i, job in enumerate(rows) if not job.cancelled]
-        if len(keep) < len(rows):
-            self.batch.keep_rows(keep)
-            for job in rows:
-                if job.cancelled:
-                    del self.jobs[id(job.sequence)]
-        return [job for job in rows if job.cancelled]
 
 
 class Engine:
@@ -261,10 +173,13 @@ class Engine:
                 if self._closing:
                     break
                 job = self._admitted[0] if self._admitted else None
-            if job is not None:
-                self._prefill(job)
-            for lane in list(self._lanes):
-                self._step(lane)
+            try:
+                if job is not None:
+                    self._prefill(job)
+                for lane in list(self._lanes):
+                    self._step(lane)
+            except Exception as error:  # noqa: BLE001 - a bug: fail what is in flight, keep serving
+                self._fail_all(error)
         for job in [*self._waiting, *self._admitted, *(j for lane in self._lanes for j in lane.rows())]:
             job.emit("error", APIError(503, "the server is shutting down", None, "shutting_down", "server_error"))
 
@@ -281,11 +196,10 @@ class Engine:
             return self._settle(job, APIError(500, f"prefill failed: {error}", kind="server_error"), "failed")
         self._record_kv(extra=job.plan.prefill_bytes)
         per_slot = slot_bytes(self.model.config, self.dtype_bytes, job.method)
-        with self._lock:
-            self._admitted.remove(job)
-            base = self._reserved(self._admitted)
+        with self._lock:  # the job stays admitted until it is placed (a failure below fails it too)
+            base = self._reserved([other for other in self._admitted if other is not job])
             options = [(lane.bound(batch, job) - self._bounds[id(lane)], lane)
-                       for lane in self._lanes if lane.key == job.key]
+                       for lane in self._lanes if lane.key == job.key and lane.accepts(batch)]
             options = [(grown, lane) for grown, lane in options if base + grown <= self.cap]
             if options:
                 lane = min(options, key=lambda option: option[0])[1]
@@ -294,10 +208,21 @@ class Engine:
                 lane = Lane(batch, job, per_slot)
                 self._lanes.append(lane)
             self._bounds[id(lane)] = lane.bound()
+            self._admitted.remove(job)
             running = sum(len(other.jobs) for other in self._lanes if other.key == job.key)
             self.stats.running_peak[job.key] = max(self.stats.running_peak[job.key], running)
         self._record_kv()
         job.emit("started")
+
+    def _fail_all(self, error: Exception) -> None:
+        with self._lock:
+            jobs = [*self._admitted, *(job for lane in self._lanes for job in lane.jobs.values())]
+            self._admitted.clear()
+            self._lanes.clear()
+            self._bounds.clear()
+        for job in jobs:
+            self._settle(job, APIError(500, f"internal error: {error!r}", kind="server_error"), "failed")
+        self._record_kv()
 
     def _step(self, lane: Lane) -> None:
         for job in lane.drop_cancelled():
