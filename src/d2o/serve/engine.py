@@ -4,7 +4,8 @@ One thread does all model work, in rounds: prefill the next admitted request int
 own (``Batch.prefill``), let it join a running batch of its method and budget (a *lane*), then
 step every lane once. A request's row leaves its batch when it finishes or is cancelled, and its
 cache rows go with it. Requests of different methods or budgets never share a batch (their caches
-cannot); requests of the same key may run in more than one lane when joining would not fit.
+cannot); requests of the same key may run in more than one lane, when joining would not fit or
+their caches cannot be joined yet (``Lane.accepts``).
 
 Admission: a request is admitted when everything already admitted, at most, plus this request's
 prefill and its budgeted cache fit under the cap. A lane is reserved at ``padded_bytes``: its rows
