@@ -82,7 +82,8 @@ def test_the_gpu_script_runs_on_the_cpu(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["fit", "--kv-memory", "1KB", "--shape", "tiny", "--prompt", "64", "--generate", "8"],
      "a KV cap of 0 MiB holds not one 64+8-token sequence under full"),
-    (["fit", "--kv-memory", "12XB", "--shape", "tiny"], "memory size '12XB': expected a number with a unit"),
+    (["fit", "--kv-memory", "12XB", "--shape", "tiny"],
+     "memory size '12XB': expected a number of bytes or a number with a unit"),
     (["decode", "--shape", "tiny", "--positions", "100", "--lengths", "200", "--steps", "2"],
      "prompt too long for the model: 200 tokens + 2 new need 202 positions, the model has 100"),
     (["decode", "--shape", "tiny", "--methods", "full,nope"], "unknown method 'nope'"),

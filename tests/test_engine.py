@@ -226,3 +226,23 @@ def test_sampling_through_generate():
     compressed = make_cache(model, "d2o", 0.3)
     assert len(sample(compressed)) == 25
     assert [int(layer.n_kept) for layer in compressed.layers] == [int(layer.budget) for layer in compressed.layers]
+
+
+def test_caches_join_a_batch_whatever_slot_state_each_has_made_yet():
+    """A row that has merged (D2O made its merge counts) and one that has not join one batch and
+    decode as they do alone."""
+    from d2o.runtime.decoding import Batch, Sequence
+
+    model = tiny_model("llama", dtype=torch.float64)
+    prompts = [random_ids(150, seed=1)[0].tolist(), random_ids(30, seed=2)[0].tolist()]
+
+    def alone(ids):
+        batch = Batch.prefill(model, make_cache(model, "d2o", 0.3, min_tokens=40), [ids], [Sequence(None, 12)])
+        return batch.run()[0].tokens, batch
+
+    expected = [alone(ids)[0] for ids in prompts]
+    first, second = (Batch.prefill(model, make_cache(model, "d2o", 0.3, min_tokens=40), [ids], [Sequence(None, 12)])
+                     for ids in prompts)
+    assert "merges" in first.cache.layers[0].slot_state and "merges" not in second.cache.layers[0].slot_state
+    first.join(second)
+    assert [sequence.tokens for sequence in first.run()] == expected

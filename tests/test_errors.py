@@ -119,6 +119,9 @@ def test_local_model_folders_load_and_generate(real_model, tmp_path, arch):
     (["eval", "--task", "passkey", "--task-option", "nope=1"], "task 'passkey' takes no option nope"),
     (["eval", "--task", "niah", "--budgets", "0.1,x"], "budget 'x' is neither a ratio"),
     (["bench", "decode", "--budget", "2"], "budget ratio must be in (0, 1]"),
+    (["serve", "--kv-memory", "12XB"], "memory size '12XB'"),
+    (["serve", "--budget", "2"], "budget ratio must be in (0, 1]"),
+    (["bench", "serve", "--kv-memory", "1QB"], "memory size '1QB'"),
 ])
 def test_bad_input_fails_before_torch_loads(args, message):
     """Checked at the front door: one line, exit code 2, and neither torch nor a model was loaded."""

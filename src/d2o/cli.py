@@ -15,7 +15,7 @@ import typer
 
 from d2o.budget import Budget
 from d2o.errors import D2OError
-from d2o.options import parse_options, split_list
+from d2o.options import parse_bytes, parse_options, split_list
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Long-context inference under a KV-cache budget.")
 bench_app = typer.Typer(no_args_is_help=True, help="Speed and memory, measured side by side in one run.")
@@ -74,6 +74,41 @@ def generate(
     print(f"\n[{report.summary()}, {result.seconds:.1f} s]", file=sys.stderr)
     if layers:
         print(report.table(), file=sys.stderr)
+
+
+@app.command()
+def serve(
+    model: str = typer.Option("smollm2", help="'smollm2' (embedded) or a local model folder."),
+    method: str = typer.Option("d2o", help="The method of a request that names none (kv_method)."),
+    budget: str = typer.Option("0.2", help="The budget of a request that names none (kv_budget). " + BUDGET_HELP),
+    min_tokens: Optional[int] = typer.Option(None, help=FLOOR_HELP),
+    kv_memory: str = typer.Option("512MB", help="KV cache memory cap: 512MB, 2GiB or bytes."),
+    host: str = typer.Option("127.0.0.1"),
+    port: int = typer.Option(8000),
+    max_queue: int = typer.Option(64, help="Requests waiting for memory; beyond, HTTP 503."),
+    max_tokens: int = typer.Option(256, help="max_tokens of a request that does not say."),
+    replicas: int = typer.Option(0, help="N > 0: N replicas behind Ray Serve's proxy (pip install 'd2o[ray]')."),
+    dtype: str = typer.Option("float32"),
+    attention: str = typer.Option("sdpa"),
+    device_map: Optional[str] = typer.Option(None, help="'auto': spread the layers over the GPUs (accelerate)."),
+):
+    """An OpenAI-compatible server: continuous batching, admission by KV memory (see README, Serving)."""
+    from d2o.serve.config import ServeConfig
+
+    config = ServeConfig(model=model, method=method, budget=budget, min_tokens=min_tokens,
+                         kv_memory=parse_bytes(kv_memory), max_queue=max_queue, max_tokens=max_tokens, dtype=dtype,
+                         attention=attention, device_map=device_map)
+    if replicas < 0:
+        raise D2OError(f"replicas must be >= 0, got {replicas}")
+    config.check()  # before the model loads
+    if replicas:
+        from d2o.serve.ray_serve import run_replicas
+
+        run_replicas(config, replicas, host, port)
+    else:
+        from d2o.serve.app import run
+
+        run(config, host, port)
 
 
 @app.command()
@@ -212,7 +247,6 @@ def bench_fit(
     dtype: str = DTYPE, device: Optional[str] = DEVICE, out: Path = OUT,
 ):
     """The largest batch each method fits under a KV memory cap, and the tokens/s it reaches there."""
-    from d2o.options import parse_bytes
 
     cap, names, parsed = parse_bytes(kv_memory), split_list(methods), Budget.parse(budget)
 
@@ -271,6 +305,42 @@ def bench_throughput(
     rows = integrate(json.loads(decode.read_text())["rows"], prompt, generate)
     emit(rows, f"Throughput of {prompt} + {generate} tokens", "throughput", out, dict(prompt=prompt, generate=generate))
     plots.bars(rows, "tokens_per_s", "tokens/s", f"{prompt} + {generate} tokens", out / "throughput.png")
+
+
+@bench_app.command("serve")
+def bench_serve(
+    model: str = typer.Option("smollm2"),
+    methods: str = typer.Option("full,d2o", help="Comma-separated methods, each served under the same cap."),
+    budget: str = typer.Option("0.2", help=BUDGET_HELP),
+    min_tokens: Optional[int] = typer.Option(None, help=FLOOR_HELP),
+    kv_memory: str = typer.Option("128MB", help="The KV memory cap of every server: 512MB, 2GiB or bytes."),
+    clients: int = typer.Option(8, help="Concurrent clients."),
+    requests: int = typer.Option(16, help="Requests in all (each client sends its next when one ends)."),
+    prompt_tokens: int = typer.Option(1000, help="Tokens per prompt (different stretches of the essays)."),
+    max_tokens: int = typer.Option(64, help="max_tokens of every request."),
+    out: Optional[Path] = typer.Option(None, help="Write the rows as JSON to this file."),
+):
+    """Requests/s, tokens/s, latency and time to first token of a server per method, same KV memory."""
+
+    cap, names, parsed = parse_bytes(kv_memory), split_list(methods), Budget.parse(budget, min_tokens)
+    if min(clients, requests, prompt_tokens, max_tokens) < 1:
+        raise D2OError("clients, requests, prompt-tokens and max-tokens must be at least 1")
+
+    from d2o.runtime.generation import resolve
+
+    for name in names:
+        resolve(name, parsed)
+
+    from d2o.bench.serve import bench_serve as run
+    from d2o.bench.serve import markdown
+
+    net, tokenizer = load(model)
+    rows = run(net, tokenizer, [(name, budget) for name in names], cap, clients, requests, prompt_tokens, max_tokens,
+               min_tokens)
+    print(markdown(rows))
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(rows, indent=1) + "\n")
 
 
 def load(model: str, **options):

@@ -55,13 +55,17 @@ def load_model(
     dtype: str | torch.dtype = "float32",
     attention: str = "sdpa",
     device: str | None = None,
+    device_map: str | dict | None = None,
 ):
     """Return ``(model, tokenizer)``, in eval mode, with d2o's attention hook installed.
 
     ``name_or_path``: ``"smollm2"`` (the embedded SmolLM2-135M-Instruct, de-quantised once and
     cached as safetensors under the user cache folder) or a local Hugging Face model folder of a
     supported family. ``attention``: ``"sdpa"`` (default) or ``"eager"`` computes the output.
+    ``device_map``: spread the layers over devices with accelerate (``"auto"``: every GPU, then the CPU).
     """
+    if device is not None and device_map is not None:
+        raise D2OError("give a device or a device map, not both")
     torch_dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
     if not isinstance(torch_dtype, torch.dtype):
         raise D2OError(f"dtype {dtype!r} is not supported: choose one of {', '.join(DTYPES)}")
@@ -71,7 +75,7 @@ def load_model(
         raise D2OError(f"folder {str(folder)!r} has no tokenizer: none of {', '.join(TOKENIZER_FILES)}")
     tokenizer = _loaded(folder, "tokenizer", AutoTokenizer.from_pretrained)
     model = _loaded(folder, "weights", AutoModelForCausalLM.from_pretrained, dtype=torch_dtype,
-                    attn_implementation="sdpa")
+                    attn_implementation="sdpa", device_map=device_map)
     if device is not None:
         model.to(device)
     model.eval()

@@ -55,15 +55,13 @@ UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 
 
 def parse_bytes(text: str | int) -> int:
-    """``"512MB"`` (decimal), ``"2GiB"`` (binary) or a plain number of bytes -> bytes."""
-    if isinstance(text, int):
-        number, unit = text, ""
-    else:
-        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
-        if match is None or match.group(2).lower() not in UNITS:
-            raise D2OError(f"memory size {text!r}: expected a number with a unit such as 512MB, 2GiB or 1000000")
-        number, unit = float(match.group(1)), match.group(2).lower()
-    size = int(number * UNITS[unit])
-    if size <= 0:
-        raise D2OError(f"memory size {text!r} must be positive")
+    """Bytes from ``512MB`` (decimal units), ``2GiB`` (binary), ``1.5GB`` or a plain number of bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    if unit not in UNITS:
+        raise D2OError(f"memory size {text!r}: expected a number of bytes or a number with a unit "
+                       f"(KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. 512MB or 2GiB")
+    size = int(float(match.group(1)) * UNITS[unit])
+    if size < 1:
+        raise D2OError(f"memory size {text!r} must be at least 1 byte")
     return size

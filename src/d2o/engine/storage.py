@@ -84,6 +84,13 @@ def _cat_rows(parts: list, rows: list[int]):
                       for part, n in zip(parts, rows)])
 
 
+def _state(layer: CompressedLayer, name: str, example: torch.Tensor) -> torch.Tensor:
+    """``layer``'s slot state ``name``, or zeros shaped for its slots like ``example``'s."""
+    if name in layer.slot_state:
+        return layer.slot_state[name]
+    return example.new_zeros((*layer.token_index.shape, *example.shape[3:]))
+
+
 def _map_field(value, fn):
     if isinstance(value, torch.Tensor):
         return fn(value)
@@ -254,11 +261,17 @@ class CompressedLayer(CacheLayerMixin):
                 return tensor
             return torch.cat([tensor, tensor.new_full((*tensor.shape[:2], missing, *tensor.shape[3:]), fill)], dim=2)
 
+        # A kind of state one side has not made yet (a method may add one late: D2O's merge counts
+        # appear at its first merge) is zeros there, as for a new token.
+        examples = {}
+        for layer in layers:
+            for name, state in layer.slot_state.items():
+                examples.setdefault(name, state)
+        self.slot_state = {name: torch.cat([padded(_state(layer, name, example), 0) for layer in layers])
+                           for name, example in examples.items()}
         self.keys = torch.cat([padded(layer.keys, 0) for layer in layers])
         self.values = torch.cat([padded(layer.values, 0) for layer in layers])
         self.token_index = torch.cat([padded(layer.token_index, -1) for layer in layers])
-        self.slot_state = {name: torch.cat([padded(layer.slot_state[name], 0) for layer in layers])
-                           for name in self.slot_state}
         if weights is not None:
             self.log_weight = torch.cat([padded(weight, 0) for weight in weights])
         self.real_seen = torch.cat([layer.real_seen for layer in layers])

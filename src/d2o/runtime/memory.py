@@ -6,13 +6,19 @@ prompt token in every layer; while decoding, a method that evicts holds its budg
 slot a new token is written into), a method that compresses once grows by every generated token,
 and the full cache holds everything. A sliding-window layer (Gemma 3) holds its window whatever the
 method.
+
+Rows decoding together share one tensor per layer, as wide as its widest row: ``peak_slots`` gives,
+once a row is prefilled, the most slots it can occupy in each layer, and ``padded_bytes`` the most
+a batch of such rows can hold, padding included (what a server must reserve for it).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from d2o.budget import Budget
+import torch
+
+from d2o.budget import UNLIMITED, Budget
 from d2o.engine.cache import sliding_windows
 from d2o.methods.base import Method
 
@@ -50,10 +56,51 @@ def plan(config, method: Method, budget: Budget, prompt_tokens: int, new_tokens:
     else:
         share = budget.total(len(compressible), prompt_tokens) - exempt * prompt_tokens  # the active layers'
         if method.evicts_during_decode:
-            # At its budget, or growing to the floor; plus the slot each step writes before it evicts.
-            held = max(share, active * budget.floor(length)) + active
+            # At its budget, or growing to the floor; plus the slot each step writes before it evicts,
+            # which a row that never outgrows its budget (every token fits) never needs.
+            held = min(max(share, active * budget.floor(length)) + active, active * length)
         else:
             held = share + active * new_tokens
         held += exempt * length
     held += sum(min(length, window) for window in windows if window is not None)
     return KVPlan(prefill_bytes=len(windows) * prompt_tokens * per_slot, held_bytes=held * per_slot)
+
+
+def peak_slots(cache, new_tokens: int) -> torch.Tensor:
+    """(B, L): the most slots each row of ``cache`` (a ``CompressedCache`` after its prefill)
+    occupies in each layer while it is fed up to ``new_tokens`` more tokens.
+
+    A layer that evicts stays at its budget (raised to the floor as the row grows) plus the slot
+    a new token is written into before the eviction; a layer compressed once grows by every new
+    token; an uncompressed layer holds every token."""
+    policy, budget = cache.policy, cache.budget
+    peaks = []
+    for layer in cache.layers:
+        final = layer.real_seen + new_tokens
+        if layer.window is not None:  # a sliding-window layer holds its window
+            peak = final.clamp_max(layer.window)
+        elif layer.budget is None or policy.keeps_everything:
+            peak = final
+        elif not policy.evicts_during_decode:
+            peak = layer.n_kept + new_tokens
+        else:
+            floor = final.clamp_max(budget.min_tokens) if budget.ratio is not None else torch.zeros_like(final)
+            limit = torch.maximum(layer.budget, floor)
+            peak = torch.where(layer.budget == UNLIMITED, final, torch.minimum(final, limit + 1))
+        peaks.append(peak.cpu())
+    return torch.stack(peaks, dim=1)
+
+
+def slot_widths(cache) -> list[int]:
+    """Slots per row of each layer's tensors now (0 before the first token)."""
+    return [layer.keys.shape[2] if layer.is_initialized else 0 for layer in cache.layers]
+
+
+def padded_bytes(widths: list[int], peaks: torch.Tensor, per_slot: int) -> int:
+    """The most KV bytes a batch of rows with ``peaks`` (B, L) from ``peak_slots`` reaches: every
+    row is as wide as the widest in each layer. ``widths``: each layer's slots now (a batch's
+    tensors do not narrow when its widest row leaves)."""
+    if not len(peaks):
+        return 0
+    widest = torch.maximum(peaks.max(0).values, torch.tensor(widths, dtype=peaks.dtype))
+    return len(peaks) * int(widest.sum()) * per_slot

@@ -9,26 +9,32 @@ from __future__ import annotations
 from d2o.errors import D2OError
 
 
-def chat_text(tokenizer, prompt: str) -> str | None:
-    """``prompt`` as a user turn of the tokenizer's chat template, ready for the answer; None if
-    the tokenizer has no template."""
+def chat_text(tokenizer, prompt: str | list[dict]) -> str | None:
+    """``prompt`` in the tokenizer's chat template, ready for the answer: a user turn, or a whole
+    conversation (``[{"role": ..., "content": ...}, ...]``); None if the tokenizer has no template."""
     if not getattr(tokenizer, "chat_template", None):
         return None
-    turn = [{"role": "user", "content": prompt}]
-    return tokenizer.apply_chat_template(turn, tokenize=False, add_generation_prompt=True)
+    turns = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
 
 
-def encode(tokenizer, prompts: list[str], chat: bool = False) -> list[list[int]]:
+def encode(tokenizer, prompts: list[str | list[dict]], chat: bool = False) -> list[list[int]]:
     """The token ids of each prompt; through the chat template if asked (its text then carries
-    the special tokens)."""
-    if not prompts or any(not p.strip() for p in prompts):
+    the special tokens). With ``chat``, a prompt may be a conversation (a list of messages)."""
+    if not prompts or any(not _words(p).strip() for p in prompts):
         raise D2OError("the prompt is empty")
     if chat:
         templated = [chat_text(tokenizer, p) for p in prompts]
         if templated[0] is None:
             raise D2OError("this model's tokenizer has no chat template: drop --chat")
         prompts = templated
+    elif not all(isinstance(p, str) for p in prompts):
+        raise D2OError("a conversation (a list of messages) needs the chat template (chat=True)")
     return [tokenizer(p, add_special_tokens=not chat).input_ids for p in prompts]
+
+
+def _words(prompt: str | list[dict]) -> str:
+    return prompt if isinstance(prompt, str) else "".join(str(turn.get("content") or "") for turn in prompt)
 
 
 def stop_token_ids(model, tokenizer) -> frozenset[int]:

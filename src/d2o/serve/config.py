@@ -1,0 +1,36 @@
+"""The server's options, checked before torch and the model load."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from d2o.budget import Budget
+from d2o.errors import D2OError
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """What ``d2o serve`` runs: the model, the default method and budget of a request that names
+    none, the KV memory cap, the queue, and the default ``max_tokens``."""
+
+    model: str = "smollm2"
+    method: str = "d2o"
+    budget: str = "0.2"
+    min_tokens: int | None = None  # the floor under ratio budgets (None: the library's default)
+    kv_memory: int = 512 * 10**6
+    max_queue: int = 64  # requests waiting for memory; more get HTTP 503
+    max_tokens: int = 256  # when a request does not say
+    dtype: str = "float32"
+    attention: str = "sdpa"
+    device_map: str | None = None
+
+    def check(self) -> None:
+        """Refuse bad options before anything heavy loads (the method and budget too)."""
+        budget = Budget.parse(self.budget, self.min_tokens)
+        if self.max_queue < 0:
+            raise D2OError(f"max_queue must be >= 0, got {self.max_queue}")
+        if self.max_tokens < 1:
+            raise D2OError(f"max_tokens must be at least 1, got {self.max_tokens}")
+
+        from d2o.runtime.generation import resolve  # torch loads here, the model not yet
+
+        resolve(self.method, budget)

@@ -1,0 +1,330 @@
+"""The serving engine: the model, the queue, admission by KV memory, and continuous batching.
+
+One thread does all model work, in rounds: prefill the next admitted request into a cache of its
+own (``Batch.prefill``), let it join a running batch of its method and budget (a *lane*), then
+step every lane once. A request's row leaves its batch when it finishes or is cancelled, and its
+cache rows go with it. Requests of different methods or budgets never share a batch (their caches
+cannot); requests of the same key may run in more than one lane, when joining would not fit.
+
+Admission: a request is admitted when everything already admitted, at most, plus this request's
+prefill and its budgeted cache fit under the cap. A lane is reserved at ``padded_bytes``: its rows
+share one tensor per layer as wide as the widest row, so a short row beside a long one costs the
+long one's width. An admitted request not yet prefilled reserves its ``plan``'s held bytes, and
+the one prefill running at a time its whole prompt. Requests that do not fit wait in a bounded
+queue, first come first served (none overtakes the head, so a large request is not starved);
+beyond the queue, HTTP 503. A request that could not fit even alone is refused at once.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections import deque
+
+from d2o.budget import Budget
+from d2o.engine.cache import CompressedCache
+from d2o.errors import D2OError
+from d2o.methods import get_method
+from d2o.runtime.decoding import Batch, Sampling, Sequence
+from d2o.runtime.generation import resolve
+from d2o.runtime.memory import peak_slots, plan, slot_bytes
+from d2o.runtime.prompts import check_length, encode, stop_token_ids
+from d2o.serve.config import ServeConfig
+from d2o.serve.jobs import Job, Lane, stable_text
+from d2o.serve.protocol import APIError, Generation
+from d2o.serve.stats import Stats
+
+RETRY_AFTER = 1  # seconds a client told to retry waits
+
+
+class Engine:
+    """Owns the model and runs every request through it on one background thread."""
+
+    def __init__(self, model, tokenizer, config: ServeConfig = ServeConfig()):
+        config.check()
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.name = config.model
+        self.fingerprint = "d2o-" + uuid.uuid4().hex[:12]  # tells replicas apart
+        self.cap = config.kv_memory
+        self.stops = stop_token_ids(model, tokenizer)
+        self.dtype_bytes = next(model.parameters()).element_size()
+        self.stats = Stats()
+        self._methods: dict[tuple, tuple] = {}  # key -> (method, budget), for /metrics
+        self._lock = threading.Condition()
+        self._waiting: deque[Job] = deque()  # not admitted yet
+        self._admitted: deque[Job] = deque()  # admitted, to prefill (the head may be prefilling)
+        self._lanes: list[Lane] = []
+        self._bounds: dict[int, int] = {}  # id(lane) -> its reserved bytes
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name="d2o-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def load(cls, config: ServeConfig) -> Engine:
+        """Load ``config.model`` (quietly) and start an engine on it."""
+        from transformers.utils import logging
+
+        from d2o.models import load_model
+
+        config.check()
+        logging.disable_progress_bar()
+        model, tokenizer = load_model(config.model, dtype=config.dtype, attention=config.attention,
+                                      device_map=config.device_map)
+        return cls(model, tokenizer, config)
+
+    # -- the handlers' side (the event loop's thread) ---------------------------------------------
+    def prepare(self, request: Generation, prompt, chat: bool, max_tokens: int | None, loop) -> Job:
+        """Check a request and turn it into a job; bad input raises an ``APIError`` (HTTP 400)."""
+        if request.model not in (None, self.name):
+            raise APIError(404, f"the model {request.model!r} does not exist; this server runs {self.name!r}",
+                           "model", "model_not_found")
+        method, budget = self._resolve(request)
+        try:
+            ids = encode(self.tokenizer, [prompt], chat)[0]
+        except D2OError as error:
+            raise APIError(400, str(error), "messages" if chat else "prompt") from None
+        max_tokens = max_tokens or self.config.max_tokens
+        try:
+            check_length(self.model, len(ids), max_tokens)
+        except D2OError as error:
+            raise APIError(400, str(error), "messages" if chat else "prompt", "context_length_exceeded") from None
+        kv_plan = plan(self.model.config, method, budget, len(ids), max_tokens, self.dtype_bytes)
+        if kv_plan.peak_bytes > self.cap:
+            raise APIError(400, f"this request needs {kv_plan.peak_bytes:,} bytes of KV cache at its peak "
+                           f"({method.name}, {len(ids)} prompt tokens + {max_tokens} new): more than the server's "
+                           f"whole --kv-memory of {self.cap:,}; use a smaller kv_budget, prompt or max_tokens",
+                           None, "kv_memory_exceeded")
+        sequence = Sequence(self.tokenizer, max_tokens, Sampling(request.temperature, request.top_p, request.seed),
+                            self.stops, tuple(request.stop or ()))
+        return Job(ids, sequence, method, budget, kv_plan, request.stream, loop)
+
+    def _resolve(self, request: Generation):
+        try:
+            method = get_method(request.kv_method or self.config.method)
+        except D2OError as error:
+            raise APIError(400, str(error), "kv_method") from None
+        try:
+            budget = request.kv_budget if request.kv_budget is not None else self.config.budget
+            method, budget = resolve(method, Budget.parse(budget, self.config.min_tokens))
+        except D2OError as error:
+            raise APIError(400, str(error), "kv_budget") from None
+        return method, Budget.parse(1.0) if method.keeps_everything else budget
+
+    def submit(self, job: Job) -> None:
+        """Admit ``job`` now, queue it, or refuse it with HTTP 503 when the queue is full."""
+        with self._lock:
+            if self._closing:
+                raise APIError(503, "the server is shutting down", None, "shutting_down", "server_error")
+            if not self._waiting and self._reserved([*self._admitted, job]) <= self.cap:
+                self._admit(job)
+            elif len(self._waiting) < self.config.max_queue:
+                self._waiting.append(job)
+                self.stats.waiting_peak = max(self.stats.waiting_peak, len(self._waiting))
+            else:
+                self.stats.requests[(*job.key, "rejected")] += 1
+                raise APIError(503, f"the server is at its KV memory cap ({self.cap:,} bytes) and its queue is "
+                               f"full ({self.config.max_queue} waiting); retry later", None, "overloaded",
+                               "server_error", {"Retry-After": str(RETRY_AFTER)})
+            self._lock.notify()
+
+    def cancel(self, job: Job) -> None:
+        """The client has gone: its row leaves its batch (or it leaves the queue) at the next round."""
+        with self._lock:
+            job.cancelled = True
+            self._lock.notify()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closing = True
+            self._lock.notify()
+        self._thread.join(timeout=30)
+
+    # -- admission (under the lock) ----------------------------------------------------------------
+    def _reserved(self, admitted) -> int:
+        held = sum(job.plan.held_bytes for job in admitted)
+        prefill = max((job.plan.prefill_bytes - job.plan.held_bytes for job in admitted), default=0)
+        return sum(self._bounds.values()) + held + max(prefill, 0)
+
+    def _admit(self, job: Job) -> None:
+        self._admitted.append(job)
+        self._methods.setdefault(job.key, (job.method, job.budget))
+        self.stats.admitted(job.key, len(job.ids), job.sequence.max_new_tokens)
+
+    def _promote(self) -> None:
+        """Admit waiting requests, first come first served, while they fit; drop cancelled ones."""
+        while self._waiting:
+            head = self._waiting[0]
+            if head.cancelled:
+                self._waiting.popleft()
+                self.stats.requests[(*head.key, "cancelled")] += 1
+            elif self._reserved([*self._admitted, head]) <= self.cap:
+                self._admit(self._waiting.popleft())
+            else:
+                break
+
+    # -- the engine's thread ------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                self._promote()
+                while not (self._closing or self._admitted or self._lanes):
+                    self._lock.wait()
+                    self._promote()
+                if self._closing:
+                    break
+                job = self._admitted[0] if self._admitted else None
+            try:
+                if job is not None:
+                    self._prefill(job)
+                for lane in list(self._lanes):
+                    self._step(lane)
+            except Exception as error:  # noqa: BLE001 - a bug: fail what is in flight, keep serving
+                self._fail_all(error)
+        for job in [*self._waiting, *self._admitted, *(j for lane in self._lanes for j in lane.rows())]:
+            job.emit("error", APIError(503, "the server is shutting down", None, "shutting_down", "server_error"))
+
+    def _prefill(self, job: Job) -> None:
+        if job.cancelled:
+            return self._settle(job, None, "cancelled")
+        cache = CompressedCache(self.model, job.method, job.budget)
+        try:
+            batch = Batch.prefill(self.model, cache, [job.ids], [job.sequence])
+            job.peaks = peak_slots(cache, job.sequence.max_new_tokens)[0]
+        except D2OError as error:  # e.g. a ratio too small for a short prompt without a floor
+            return self._settle(job, APIError(400, str(error), "kv_budget"), "failed")
+        except Exception as error:  # noqa: BLE001 - the server keeps serving the others
+            return self._settle(job, APIError(500, f"prefill failed: {error}", kind="server_error"), "failed")
+        self._record_kv(extra=job.plan.prefill_bytes)
+        per_slot = slot_bytes(self.model.config, self.dtype_bytes, job.method)
+        with self._lock:  # the job stays admitted until it is placed (a failure below fails it too)
+            base = self._reserved([other for other in self._admitted if other is not job])
+            options = [(lane.bound(batch, job) - self._bounds[id(lane)], lane)
+                       for lane in self._lanes if lane.key == job.key]
+            options = [(grown, lane) for grown, lane in options if base + grown <= self.cap]
+            if options:
+                lane = min(options, key=lambda option: option[0])[1]
+                lane.join(batch, job)
+            else:  # alone it fits: its reservation covered its plan, which bounds its peak
+                lane = Lane(batch, job, per_slot)
+                self._lanes.append(lane)
+            self._bounds[id(lane)] = lane.bound()
+            self._admitted.remove(job)
+            running = sum(len(other.jobs) for other in self._lanes if other.key == job.key)
+            self.stats.running_peak[job.key] = max(self.stats.running_peak[job.key], running)
+        self._record_kv()
+        job.emit("started")
+
+    def _fail_all(self, error: Exception) -> None:
+        with self._lock:
+            jobs = [*self._admitted, *(job for lane in self._lanes for job in lane.jobs.values())]
+            self._admitted.clear()
+            self._lanes.clear()
+            self._bounds.clear()
+        for job in jobs:
+            self._settle(job, APIError(500, f"internal error: {error!r}", kind="server_error"), "failed")
+        self._record_kv()
+
+    def _step(self, lane: Lane) -> None:
+        for job in lane.drop_cancelled():
+            self._settle(job, None, "cancelled")
+        if lane.batch.sequences:
+            try:
+                finished = lane.batch.step()
+            except Exception as error:  # noqa: BLE001
+                for job in lane.rows():
+                    self._settle(job, APIError(500, f"decoding failed: {error}", kind="server_error"), "failed")
+                lane.batch.keep_rows([])  # the lane is dropped below, its cache with it
+                finished = []
+            for sequence in finished:
+                self._settle(lane.jobs.pop(id(sequence)), None, "finished")
+            new_tokens = 0
+            for job in lane.rows():
+                new_tokens += len(job.sequence.tokens) - job.counted
+                job.counted = len(job.sequence.tokens)
+                if job.stream:
+                    self._stream(job)
+            with self._lock:
+                self.stats.generated(new_tokens)
+        with self._lock:
+            if lane.batch.sequences:
+                self._bounds[id(lane)] = lane.bound()
+            else:
+                self._lanes.remove(lane)
+                del self._bounds[id(lane)]
+            self._promote()
+        self._record_kv()
+
+    def _stream(self, job: Job) -> None:
+        text = stable_text(job.sequence)
+        if len(text) > len(job.sent) and text.startswith(job.sent):
+            job.emit("delta", text[len(job.sent):])
+            job.sent = text
+
+    def _settle(self, job: Job, error: APIError | None, outcome: str) -> None:
+        """A job leaves: finished (its result), failed (its error) or cancelled (nobody listens)."""
+        with self._lock:
+            if job in self._admitted:
+                self._admitted.remove(job)
+            self.stats.requests[(*job.key, outcome)] += 1
+            if outcome == "finished":
+                new = len(job.sequence.tokens) - job.counted
+                job.counted += new
+                self.stats.generated(new)
+        if error is not None:
+            job.emit("error", error)
+        elif outcome == "finished":
+            result = job.result()
+            if job.stream and result.text.startswith(job.sent) and len(result.text) > len(job.sent):
+                job.emit("delta", result.text[len(job.sent):])
+            job.emit("done", result)
+
+    def _record_kv(self, extra: int = 0) -> None:
+        in_use = sum(lane.batch.cache.nbytes for lane in self._lanes if lane.batch.sequences) + extra
+        with self._lock:
+            self.stats.kv(in_use)
+
+    # -- /metrics -------------------------------------------------------------------------------------
+    def metrics(self) -> dict:
+        with self._lock:
+            stats = self.stats
+            running = {}
+            for lane in self._lanes:
+                running[labels(lane.key)] = running.get(labels(lane.key), 0) + len(lane.jobs)
+            values = {
+                "requests_total": {(*labels(key[:2]), ("outcome", key[2])): n for key, n in stats.requests.items()},
+                "requests_running": running,
+                "requests_running_peak": {labels(key): n for key, n in stats.running_peak.items()},
+                "requests_waiting": len(self._waiting),
+                "requests_waiting_peak": stats.waiting_peak,
+                "queue_capacity": self.config.max_queue,
+                "prompt_tokens_total": stats.prompt_tokens,
+                "generated_tokens_total": stats.generated_tokens,
+                "generated_tokens_per_second": round(stats.tokens_per_second(), 3),
+                "kv_bytes": stats.kv_bytes,
+                "kv_bytes_peak": stats.kv_bytes_peak,
+                "kv_bytes_reserved": self._reserved(self._admitted),
+                "kv_bytes_cap": self.cap,
+            }
+            shapes = dict(stats.shapes)
+        values["kv_fit_requests"], values["kv_fit_requests_full"] = self._fits(shapes)
+        return values
+
+    def _fits(self, shapes: dict) -> tuple[dict, dict]:
+        """For each method and budget served, how many requests of its mean shape fit at once under
+        the cap, with it and with the full cache."""
+        mine, full = {}, {}
+        for key, (count, prompt_tokens, max_tokens) in shapes.items():
+            method, budget = self._methods[key]
+            shape = (max(1, round(prompt_tokens / count)), max(1, round(max_tokens / count)), self.dtype_bytes)
+            mine[labels(key)] = fit(self.cap, plan(self.model.config, method, budget, *shape))
+            full[labels(key)] = fit(self.cap, plan(self.model.config, get_method("full"), Budget.parse(1.0), *shape))
+        return mine, full
+
+
+def labels(key: tuple) -> tuple:
+    return (("budget", key[1]), ("method", key[0]))
+
+
+def fit(cap: int, kv_plan) -> int:
+    """How many requests of ``kv_plan`` fit at once under ``cap``, prefilled one at a time."""
+    return max(0, (cap - max(0, kv_plan.prefill_bytes - kv_plan.held_bytes)) // kv_plan.held_bytes)

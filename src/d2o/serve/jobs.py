@@ -1,0 +1,97 @@
+"""What the engine schedules: a request's ``Job`` (its row, its plan, its events) and a ``Lane``
+(rows of one method and budget in one running batch, and what that batch can hold at most)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import torch
+
+from d2o.runtime.decoding import Batch, Sequence
+from d2o.runtime.memory import padded_bytes, slot_widths
+
+
+@dataclass
+class Result:
+    """A finished request: its text and what its cache held when it finished."""
+
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    kv_tokens: int
+    kv_tokens_full: int
+    kv_bytes: int
+    kv_bytes_full: int
+
+
+class Job:
+    """One request: its prompt's token ids, its row's rules, its KV plan, and the queue through
+    which its events ("started", "delta", "done", "error") reach the handler's event loop."""
+
+    def __init__(self, ids, sequence, method, budget, kv_plan, stream: bool, loop):
+        self.ids, self.sequence, self.method, self.budget, self.plan = ids, sequence, method, budget, kv_plan
+        self.key = (method.name, str(budget) if not method.keeps_everything else "1")
+        self.stream = stream
+        self.loop = loop
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.cancelled = False
+        self.peaks: torch.Tensor | None = None  # (L,) its row's most slots per layer, once prefilled
+        self.sent = ""  # text streamed so far
+        self.counted = 0  # tokens counted in the statistics so far
+
+    def emit(self, kind: str, payload=None) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+        except RuntimeError:  # the event loop has closed: nobody is listening
+            pass
+
+    def result(self) -> Result:
+        seq, report = self.sequence, self.sequence.report
+        return Result(seq.text, seq.finish_reason, seq.prompt_tokens, len(seq.tokens), report.kv_tokens_kept,
+                      report.kv_tokens_full, report.kv_bytes, report.kv_bytes_full)
+
+
+def stable_text(sequence: Sequence) -> str:
+    """The answer so far, less what a later token could still change: an incomplete UTF-8
+    character at its end, and an ending that could be the start of a stop string."""
+    if sequence.finished:
+        return sequence.text
+    text = sequence.raw_text.rstrip("\ufffd")
+    hold = max((k for stop in sequence.stop_strings for k in range(1, len(stop)) if text.endswith(stop[:k])),
+               default=0)
+    return text[:len(text) - hold]
+
+
+class Lane:
+    """Rows of one method and budget decoding together: one ``Batch`` and each row's job."""
+
+    def __init__(self, batch: Batch, job: Job, per_slot: int):
+        self.key, self.batch, self.per_slot = job.key, batch, per_slot
+        self.jobs = {id(job.sequence): job}
+
+    def rows(self) -> list[Job]:
+        return [self.jobs[id(sequence)] for sequence in self.batch.sequences]
+
+    def bound(self, newcomer: Batch | None = None, job: Job | None = None) -> int:
+        """The most bytes this lane can hold (with ``newcomer``'s row joined, if given)."""
+        widths, peaks = slot_widths(self.batch.cache), [j.peaks for j in self.rows()]
+        if newcomer is not None:
+            widths = [max(a, b) for a, b in zip(widths, slot_widths(newcomer.cache))]
+            peaks.append(job.peaks)
+        return padded_bytes(widths, torch.stack(peaks), self.per_slot) if peaks else 0
+
+    def join(self, batch: Batch, job: Job) -> None:
+        self.batch.join(batch)
+        self.jobs[id(job.sequence)] = job
+
+    def drop_cancelled(self) -> list[Job]:
+        rows = self.rows()
+        keep = [i for i, job in enumerate(rows) if not job.cancelled]
+        if len(keep) < len(rows):
+            self.batch.keep_rows(keep)
+            for job in rows:
+                if job.cancelled:
+                    del self.jobs[id(job.sequence)]
+        return [job for job in rows if job.cancelled]

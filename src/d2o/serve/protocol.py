@@ -1,0 +1,150 @@
+"""The OpenAI formats: requests (pydantic models), responses, stream chunks and error bodies.
+
+Fields d2o does not use are ignored, as OpenAI's own server ignores what it does not know; two
+extension fields choose the cache per request: ``kv_method`` and ``kv_budget``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class APIError(Exception):
+    """An error answered as ``{"error": {"message", "type", "param", "code"}}`` with ``status``."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error", headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.kind, self.headers = kind, headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class Generation(BaseModel):
+    """What both endpoints share: sampling, limits, stop strings, and d2o's cache fields."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: Optional[str] = None
+    max_tokens: Optional[int] = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    stop: Union[str, list[str], None] = None
+    seed: Optional[int] = None
+    n: int = 1
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    kv_method: Optional[str] = None
+    kv_budget: Union[float, str, None] = None
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError(f"n={n}: one choice per request is supported (n=1)")
+        return n
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, stop):
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if len(stops) > 4:
+            raise ValueError("at most 4 stop sequences")
+        return stops
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Union[str, list[TextPart], None] = None
+
+    def as_turn(self) -> dict:
+        content = self.content if not isinstance(self.content, list) else "".join(p.text for p in self.content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+
+
+class ChatRequest(Generation):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+
+
+class CompletionRequest(Generation):
+    prompt: Union[str, list[str]]
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, prompt):
+        if isinstance(prompt, list):
+            if len(prompt) != 1:
+                raise ValueError(f"{len(prompt)} prompts: one prompt per request is supported")
+            return prompt[0]
+        return prompt
+
+
+# -- responses ----------------------------------------------------------------------------------
+CHAT, TEXT = "chat.completion", "text_completion"
+
+
+def new_id(kind: str) -> str:
+    return ("chatcmpl-" if kind == CHAT else "cmpl-") + uuid.uuid4().hex[:24]
+
+
+def usage(result) -> dict:
+    """Token counts, and what the request's cache held when it finished (its share of a batch's
+    tensors) against what a full cache would have held."""
+    return {
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": result.completion_tokens,
+        "total_tokens": result.prompt_tokens + result.completion_tokens,
+        "kv_tokens": result.kv_tokens,
+        "kv_tokens_full": result.kv_tokens_full,
+        "kv_bytes": result.kv_bytes,
+        "kv_bytes_full": result.kv_bytes_full,
+    }
+
+
+def _envelope(kind: str, rid: str, model: str, choice: dict, chunk: bool) -> dict:
+    obj = kind + ".chunk" if chunk and kind == CHAT else kind
+    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice]}
+
+
+def response(kind: str, rid: str, model: str, text: str, result, kv: dict) -> dict:
+    """A whole (non-streamed) answer."""
+    content = {"message": {"role": "assistant", "content": text}} if kind == CHAT else {"text": text}
+    choice = {"index": 0, **content, "finish_reason": result.finish_reason, "logprobs": None}
+    return {**_envelope(kind, rid, model, choice, chunk=False), "usage": usage(result), **kv}
+
+
+def chunk(kind: str, rid: str, model: str, text: str | None, finish_reason: str | None = None,
+          first: bool = False) -> dict:
+    """One server-sent event of a stream: a piece of text, or the end (``finish_reason``)."""
+    if kind == CHAT:
+        delta = {} if text is None else {"role": "assistant", "content": text} if first else {"content": text}
+        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+    else:
+        choice = {"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": None}
+    return _envelope(kind, rid, model, choice, chunk=True)
+
+
+def usage_chunk(kind: str, rid: str, model: str, result) -> dict:
+    return {**_envelope(kind, rid, model, {}, chunk=True), "choices": [], "usage": usage(result)}

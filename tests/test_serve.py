@@ -1,0 +1,365 @@
+"""``d2o serve`` end to end: the official openai client against uvicorn on loopback, on the real model.
+
+Each server runs in a thread of this process on a socket bound here (no port race); the openai
+client never retries (max_retries=0), so every request is counted once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from d2o.budget import Budget
+from d2o.cli import main
+from d2o.data import essay_tokens
+from d2o.errors import D2OError
+from d2o.methods import get_method
+from d2o.models import load_model
+from d2o.runtime.decoding import Batch, Sequence
+from d2o.runtime.generation import generate
+from d2o.runtime.memory import plan
+from d2o.serve.app import create_app
+from d2o.serve.app import serving as in_thread
+from d2o.options import parse_bytes
+from d2o.serve.config import ServeConfig
+from d2o.serve.engine import Engine
+from d2o.serve.jobs import stable_text
+
+pytestmark = pytest.mark.real_model
+QUESTION = "What is the capital of France?"
+
+
+@contextlib.contextmanager
+def serving(model, tokenizer, **options):
+    """An engine on the model and its app under uvicorn on 127.0.0.1; yields (base url, engine)."""
+    engine = Engine(model, tokenizer, ServeConfig(**options))
+    try:
+        with in_thread(create_app(engine)) as url:
+            yield url, engine
+    finally:
+        engine.close()
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def scrape(url: str) -> dict[str, float]:
+    """/metrics as {'name{labels}': value}."""
+    lines = httpx.get(url + "/metrics").text.splitlines()
+    return {name: float(value) for name, value in (line.rsplit(" ", 1) for line in lines if not line.startswith("#"))}
+
+
+def wait_for(url: str, condition, seconds: float = 30.0) -> dict[str, float]:
+    deadline = time.monotonic() + seconds
+    while True:
+        values = scrape(url)
+        if condition(values) or time.monotonic() > deadline:
+            return values
+        time.sleep(0.05)
+
+
+def essay(tokenizer, n_tokens: int, skip: int = 0) -> str:
+    return tokenizer.decode(essay_tokens(tokenizer, n_tokens + skip)[skip:])
+
+
+@pytest.fixture(scope="module")
+def server(real_model):
+    with serving(*real_model, kv_memory=parse_bytes("64MB")) as running:
+        yield running
+
+
+# -- answers ---------------------------------------------------------------------------------------
+def test_greedy_chat_and_completion_answers_equal_d2o_generate(server, real_model):
+    url, _ = server
+    model, tokenizer = real_model
+    chat = client(url).chat.completions.create(model="smollm2", messages=[{"role": "user", "content": QUESTION}],
+                                               max_tokens=12, temperature=0)
+    expected = generate(model, tokenizer, QUESTION, "d2o", 0.2, max_new_tokens=12, chat=True)
+    assert chat.choices[0].message.content == expected.texts[0] and "Paris" in expected.texts[0]
+    assert chat.choices[0].finish_reason == expected.finish_reasons[0]
+    assert chat.usage.prompt_tokens == expected.prompt_tokens[0]
+    assert chat.usage.completion_tokens == len(expected.new_tokens[0])
+    assert chat.kv_method == "d2o" and chat.kv_budget == "0.2"
+
+    prompt = essay(tokenizer, 300)  # past the floor of 128: the cache really is compressed
+    completion = client(url).completions.create(model="smollm2", prompt=prompt, max_tokens=10, temperature=0,
+                                                extra_body={"kv_method": "snapkv", "kv_budget": 0.2})
+    expected = generate(model, tokenizer, prompt, "snapkv", 0.2, max_new_tokens=10)
+    assert completion.choices[0].text == expected.texts[0]
+    usage = completion.usage
+    assert usage.prompt_tokens == expected.prompt_tokens[0] and usage.completion_tokens == 10
+    assert usage.kv_tokens == expected.report.kv_tokens_kept < usage.kv_tokens_full / 2
+    assert usage.kv_bytes == expected.report.kv_bytes < usage.kv_bytes_full / 2
+
+
+def test_streams_carry_the_same_text_and_stop_at_a_stop_string(server, real_model):
+    url, _ = server
+    model, tokenizer = real_model
+    whole = client(url).chat.completions.create(model="smollm2", messages=[{"role": "user", "content": QUESTION}],
+                                                max_tokens=12, temperature=0, extra_body={"kv_method": "h2o"})
+    chunks = list(client(url).chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": QUESTION}], max_tokens=12, temperature=0,
+        stream=True, stream_options={"include_usage": True}, extra_body={"kv_method": "h2o"}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+    prompt = "The capital of France is"
+    expected = generate(model, tokenizer, prompt, "d2o", 0.2, max_new_tokens=16, stop=("answer",))
+    assert expected.finish_reasons[0] == "stop"
+    pieces = [c.choices[0].text for c in client(url).completions.create(
+        model="smollm2", prompt=prompt, max_tokens=16, temperature=0, stop="answer", stream=True)]
+    assert "".join(pieces) == expected.texts[0]
+    assert not any("answer" in piece for piece in pieces)  # the stop string is never sent, not even in part
+
+
+def test_streamed_text_never_takes_back_a_character(real_model):
+    """Every prefix of the answer streams a prefix of its final text: no half of a UTF-8
+    character, no start of a stop string."""
+    _, tokenizer = real_model
+    ids = tokenizer("Voilà: 日本語 and the world.").input_ids
+    sequence = Sequence(tokenizer, 100, stop_strings=("the world",))
+    shown = []
+    for token in ids:
+        sequence.push(token)
+        shown.append(stable_text(sequence))
+    assert sequence.finished and sequence.text == "Voilà: 日本語 and "
+    assert any(tokenizer.decode(ids[:k]).endswith("\ufffd") for k in range(len(ids)))  # split characters
+    assert all(later.startswith(earlier) and "\ufffd" not in earlier for earlier, later in zip(shown, shown[1:]))
+    assert shown[-1] == sequence.text and not any("the" in text for text in shown)  # "the" was held back
+
+
+def test_seeded_sampling_repeats(server):
+    url, _ = server
+    ask = dict(model="smollm2", prompt="Once upon a time", max_tokens=8, temperature=0.9, top_p=0.9, seed=7)
+    first, again = (client(url).completions.create(**ask).choices[0].text for _ in range(2))
+    assert first == again
+
+
+def test_models_and_health(server):
+    url, _ = server
+    assert [m.id for m in client(url).models.list()] == ["smollm2"]
+    assert httpx.get(url + "/health").json() == {"status": "ok"}
+
+
+# -- bad requests ----------------------------------------------------------------------------------
+CHAT = {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+BAD = [
+    ("malformed JSON", b'{"model": "smollm2", "messages": [', 400, None, None),
+    ("unknown method", {**CHAT, "kv_method": "nope"}, 400, "kv_method", None),
+    ("budget out of range", {**CHAT, "kv_budget": 1.5}, 400, "kv_budget", None),
+    ("budget below the method's minimum", {**CHAT, "kv_budget": "2t"}, 400, "kv_budget", None),
+    ("negative max_tokens", {**CHAT, "max_tokens": -1}, 400, "max_tokens", None),
+    ("n > 1", {**CHAT, "n": 2}, 400, "n", None),
+    ("no messages", {**CHAT, "messages": []}, 400, "messages", None),
+    ("a prompt longer than the model allows", {**CHAT, "messages": [{"role": "user", "content": "word " * 9000}]},
+     400, "messages", "context_length_exceeded"),
+    ("more than the whole KV memory", {**CHAT, "messages": [{"role": "user", "content": "word " * 2000}],
+                                       "kv_method": "full"}, 400, None, "kv_memory_exceeded"),
+    ("an unknown model", {**CHAT, "model": "gpt-9"}, 404, "model", "model_not_found"),
+]
+
+
+@pytest.mark.parametrize("what, body, status, param, code", BAD, ids=[case[0] for case in BAD])
+def test_a_bad_request_gets_an_openai_error_and_the_server_keeps_serving(server, what, body, status, param, code):
+    url, _ = server
+    sent = dict(content=body) if isinstance(body, bytes) else dict(json=body)
+    reply = httpx.post(url + "/v1/chat/completions", headers={"Content-Type": "application/json"}, **sent)
+    assert reply.status_code == status, reply.text
+    error = reply.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert (error["param"], error["code"]) == (param, code), error
+    if isinstance(body, dict):  # the official client reads the same error
+        known = {k: v for k, v in body.items() if k in ("model", "messages", "max_tokens", "n")}
+        with pytest.raises(openai.APIStatusError) as raised:
+            client(url).chat.completions.create(**known, extra_body={k: body[k] for k in set(body) - set(known)})
+        assert raised.value.status_code == status and raised.value.body == error
+    assert client(url).chat.completions.create(**CHAT, temperature=0).choices[0].finish_reason
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_rows_and_memory(server):
+    url, _ = server
+    before = scrape(url)
+    gone = 'd2o_requests_total{budget="0.2",method="d2o",outcome="cancelled"}'
+    request = {"model": "smollm2", "prompt": "Once upon a time", "max_tokens": 200, "temperature": 0, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=request) as reply:
+        events = [line for line, _ in zip((x for x in reply.iter_lines() if x.startswith("data:")), range(2))]
+    assert len(events) == 2
+    after = wait_for(url, lambda m: m.get(gone, 0) > before.get(gone, 0) and m["d2o_kv_bytes"] == 0)
+    assert after[gone] == before.get(gone, 0) + 1
+    assert after["d2o_kv_bytes"] == 0 and after["d2o_kv_bytes_reserved"] == 0
+    assert not any(name.startswith("d2o_requests_running{") and value for name, value in after.items())
+
+    with pytest.raises(httpx.ReadTimeout):  # a plain request whose client gives up is cancelled too
+        httpx.post(url + "/v1/completions", json={**request, "stream": False}, timeout=1.0)
+    after = wait_for(url, lambda m: m[gone] == before.get(gone, 0) + 2 and m["d2o_kv_bytes"] == 0)
+    assert after[gone] == before.get(gone, 0) + 2 and after["d2o_kv_bytes"] == 0
+
+
+def test_a_row_that_has_not_merged_yet_runs_beside_rows_that_have(server, real_model):
+    """D2O's merge counts appear at a cache's first merge: a short prompt (under the floor, nothing
+    evicted) arriving while a long one decodes cannot join its batch, and runs beside it."""
+    url, _ = server
+    model, tokenizer = real_model
+    long, short = essay(tokenizer, 300), "The capital of France is"
+
+    def ask(prompt, tokens):
+        return client(url).completions.create(model="smollm2", prompt=prompt, max_tokens=tokens, temperature=0)
+
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(ask, long, 40)
+        wait_for(url, lambda m: m.get('d2o_requests_running{budget="0.2",method="d2o"}', 0) == 1)
+        second = ask(short, 6)
+    assert first.result().choices[0].text == generate(model, tokenizer, long, max_new_tokens=40).texts[0]
+    assert second.choices[0].text == generate(model, tokenizer, short, max_new_tokens=6).texts[0]
+
+
+def test_a_failure_inside_the_engine_is_a_500_and_the_server_keeps_serving(server, monkeypatch):
+    url, _ = server
+    step, broken = Batch.step, []
+
+    def step_once_broken(self):
+        if not broken:
+            broken.append(True)
+            raise RuntimeError("a bug")
+        return step(self)
+
+    monkeypatch.setattr(Batch, "step", step_once_broken)
+    with pytest.raises(openai.InternalServerError) as failed:
+        client(url).completions.create(model="smollm2", prompt="Hello", max_tokens=3)
+    assert failed.value.status_code == 500 and "a bug" in failed.value.message
+    assert client(url).completions.create(model="smollm2", prompt="Hello", max_tokens=3).usage.completion_tokens
+
+
+# -- load and memory -------------------------------------------------------------------------------
+LOAD_METHODS = [("full", 1.0), ("d2o", 0.2), ("h2o", 0.5), ("streamingllm", 0.3)]
+
+
+def test_32_concurrent_requests_of_mixed_lengths_and_methods_each_get_their_own_answer(real_model):
+    model, tokenizer = real_model
+    prompts = [essay(tokenizer, n, skip=40 * i) for i, n in enumerate([10, 50, 20, 80, 30, 14, 64, 40])]
+    expected = {}
+    for method, budget in LOAD_METHODS:
+        result = generate(model, tokenizer, prompts, method, budget, max_new_tokens=4, min_tokens=16)
+        expected.update({(p, method): tokens for p, tokens in zip(prompts, result.new_tokens)})
+    cap = 3 * plan(model.config, get_method("full"), Budget.parse(1.0), 90, 4).peak_bytes  # ~3 long ones at once
+
+    async def ask(api, prompt, method, budget):
+        reply = await api.completions.create(model="smollm2", prompt=prompt, max_tokens=4, temperature=0,
+                                             extra_body={"kv_method": method, "kv_budget": budget})
+        return prompt, method, reply
+
+    async def load(url):
+        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300) as api:
+            asks = [ask(api, p, m, b) for i, p in enumerate(prompts)
+                    for m, b in LOAD_METHODS[i % 4:] + LOAD_METHODS[:i % 4]]
+            return await asyncio.gather(*asks)
+
+    with serving(model, tokenizer, kv_memory=cap, min_tokens=16, max_queue=32) as (url, _):
+        replies = asyncio.run(load(url))
+        metrics = scrape(url)
+    assert len(replies) == 32
+    for prompt, method, reply in replies:
+        want = expected[(prompt, method)]
+        assert reply.choices[0].text == tokenizer.decode(want, skip_special_tokens=True), (method, prompt[:30])
+        assert reply.usage.completion_tokens == len(want)
+    outcomes = [v for k, v in metrics.items() if k.startswith("d2o_requests_total")]
+    assert sum(outcomes) == 32 and all('outcome="finished"' in k for k, v in metrics.items()
+                                       if k.startswith("d2o_requests_total") and v)
+    assert metrics["d2o_kv_bytes_cap"] == cap
+    assert cap / 3 < metrics["d2o_kv_bytes_peak"] <= cap  # the cap was reached for, never passed
+    assert metrics["d2o_requests_waiting_peak"] >= 1  # some requests had to wait for memory
+    assert max(v for k, v in metrics.items() if k.startswith("d2o_requests_running_peak")) >= 2  # batched
+    assert metrics["d2o_generated_tokens_total"] == sum(len(t) for t in expected.values())
+
+
+def test_a_cap_that_holds_two_full_caches_runs_eight_d2o_requests_at_once(real_model):
+    model, tokenizer = real_model
+    prompt, new = essay(tokenizer, 40, skip=500), 16
+    full = plan(model.config, get_method("full"), Budget.parse(1.0), 40, new)
+    d2o_key, full_key = '{budget="0.2",method="d2o"}', '{budget="1",method="full"}'
+    request = dict(model="smollm2", prompt=prompt, max_tokens=new, temperature=0)
+
+    async def burst(url, method, n):
+        extra = {"kv_method": method, "kv_budget": 0.2}
+        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300) as api:
+            return await asyncio.gather(*(api.completions.create(**request, extra_body=extra) for _ in range(n)))
+
+    # No floor: at 40 tokens it would keep everything; at 20% a row holds 8 tokens per layer (+1).
+    with serving(model, tokenizer, kv_memory=2 * full.peak_bytes, min_tokens=0, max_queue=16) as (url, _):
+        assert len(client(url).completions.create(**request).choices[0].text) > 0  # warm, and its shape
+        d2o_replies = asyncio.run(burst(url, "d2o", 10))
+        full_replies = asyncio.run(burst(url, "full", 3))
+        metrics = scrape(url)
+    assert all(r.usage.completion_tokens == new for r in d2o_replies + full_replies)  # nobody stopped early
+    assert metrics["d2o_kv_fit_requests_full" + d2o_key] == 2
+    assert metrics["d2o_kv_fit_requests" + d2o_key] >= 8
+    assert metrics["d2o_requests_running_peak" + d2o_key] >= 8  # measured, not computed
+    assert metrics["d2o_requests_running_peak" + full_key] == 2
+    assert metrics["d2o_kv_bytes_peak"] <= 2 * full.peak_bytes
+
+
+def test_a_full_queue_answers_503_with_retry_after(real_model):
+    model, tokenizer = real_model
+    one = plan(model.config, get_method("full"), Budget.parse(1.0), 20, 200).peak_bytes
+    request = {"model": "smollm2", "prompt": essay(tokenizer, 20), "max_tokens": 200, "temperature": 0}
+
+    def gives_up(url):  # a client that waits 3 s, then leaves (the server notices and cancels it)
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "/v1/completions", json={**request, "kv_method": "full"}, timeout=3)
+
+    with serving(model, tokenizer, kv_memory=one, max_queue=1) as (url, _):
+        clients = [threading.Thread(target=gives_up, args=(url,)) for _ in range(2)]  # one runs, one waits
+        for thread in clients:
+            thread.start()
+        assert wait_for(url, lambda m: m["d2o_requests_waiting"] == 1)["d2o_requests_waiting"] == 1
+        with pytest.raises(openai.InternalServerError) as refused:
+            client(url).completions.create(**request, extra_body={"kv_method": "full"})
+        assert refused.value.status_code == 503 and refused.value.response.headers["Retry-After"] == "1"
+        assert refused.value.code == "overloaded" and "queue is full" in refused.value.message
+        for thread in clients:
+            thread.join()
+        metrics = wait_for(url, lambda m: m["d2o_kv_bytes_reserved"] == 0 and m["d2o_requests_waiting"] == 0)
+    assert metrics['d2o_requests_total{budget="1",method="full",outcome="rejected"}'] == 1
+    assert metrics['d2o_requests_total{budget="1",method="full",outcome="cancelled"}'] == 2
+    assert metrics["d2o_kv_bytes"] == 0
+
+
+# -- the command line ------------------------------------------------------------------------------
+def test_a_device_map_loads_the_model_where_accelerate_puts_it(real_model):
+    model, tokenizer = load_model("smollm2", device_map="cpu")
+    assert generate(model, tokenizer, QUESTION, max_new_tokens=4).texts == generate(
+        *real_model, QUESTION, max_new_tokens=4).texts
+    with pytest.raises(D2OError, match="not both"):
+        load_model("smollm2", device="cpu", device_map="auto")
+
+
+def test_memory_sizes():
+    assert [parse_bytes(s) for s in ("512MB", "2GiB", "1.5GB", "4096", " 64 kib ")] == [
+        512 * 10**6, 2 * 2**30, 1_500_000_000, 4096, 64 * 1024]
+    for bad in ("12XB", "", "-1MB", "MB", "0"):
+        with pytest.raises(D2OError):
+            parse_bytes(bad)
+
+
+@pytest.mark.parametrize("args, message", [  # (a bad --kv-memory or --budget: tests/test_errors.py)
+    (["--method", "nope"], "unknown method 'nope'"),
+    (["--budget", "2t"], "budget 2t leaves 2 tokens per layer"),
+    (["--replicas", "-1"], "replicas must be >= 0"),
+    (["--max-queue", "-1"], "max_queue must be >= 0"),
+])
+def test_bad_serve_options_are_one_line_and_exit_code_2(monkeypatch, capsys, args, message):
+    monkeypatch.setattr("sys.argv", ["d2o", "serve", *args])
+    with pytest.raises(SystemExit) as done:
+        main()
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and message in err and len(err.strip().splitlines()) == 1
