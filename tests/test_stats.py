@@ -56,3 +56,19 @@ def test_window_only_request_skips_the_mass():
     assert got.column_mass is None and got.window.shape == (1, 2, 2, 1, 30)
     expected = explicit_attention(query, key, valid, 0.35)[:, :, -1:]
     torch.testing.assert_close(got.window.view(1, 4, 1, 30), expected)
+
+
+@pytest.mark.parametrize("chunk_elements", [97, 1 << 23])
+def test_the_output_from_the_statistics_equals_sdpa(monkeypatch, chunk_elements):
+    """Several chunks of query rows, GQA, padding: the output computed with the column mass is
+    the attention output."""
+    monkeypatch.setattr(stats_module, "CHUNK_ELEMENTS", chunk_elements)
+    torch.manual_seed(1)
+    query, key, value = torch.randn(2, 6, 40, 8), torch.randn(2, 2, 40, 8), torch.randn(2, 2, 40, 8)
+    valid = torch.ones(2, 40, dtype=torch.bool)
+    valid[1, :9] = False
+    got = attention_stats(query, key, valid[:, None].expand(-1, 2, -1), valid, 0.3, StatsRequest(column_mass=True),
+                          value=value).output
+    expected = explicit_attention(query, key, valid, 0.3).nan_to_num(0.0) @ value.repeat_interleave(3, dim=1)
+    real = valid[:, None, :, None].transpose(1, 2)  # padding queries' outputs are not compared
+    torch.testing.assert_close(got * real, expected.transpose(1, 2) * real, atol=1e-5, rtol=1e-5)

@@ -129,7 +129,7 @@ def attention_stats(
                     scores.masked_fill_(~allowed[g if allowed.shape[0] > 1 else 0], lowest)
                 probs = torch.softmax(scores, dim=-1, out=scores)
                 if output is not None:
-                    torch.matmul(probs, values_g[:visible], out=output[b, g * group : (g + 1) * group, start:end])
+                    output[b, g * group : (g + 1) * group, start:end] = torch.matmul(probs, values_g[:visible])
                 if padded_queries:
                     probs.mul_(query_valid[b, None, start:end, None])
                 if mass is not None:
