@@ -63,7 +63,7 @@ def test_unsupported_model_family(monkeypatch, capsys, tmp_path):
     code, _, err = run_cli(monkeypatch, capsys, "generate", "--model", str(tmp_path), "--prompt", "hi")
     assert code == 2
     assert err.strip() == ("error: model family 'gpt2' is not supported: "
-                           "d2o hooks the attention of llama, mistral, qwen2, qwen3")
+                           "d2o hooks the attention of llama, mistral, qwen2, qwen3, gemma3_text")
 
 
 def test_missing_model(monkeypatch, capsys, tmp_path):

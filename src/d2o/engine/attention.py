@@ -70,7 +70,7 @@ def _make_attention(backend: str):
             request = layer.cache.policy.stats_request(layer, n_query)
         if request is not None and n_query == 1 and window_mask is None:
             output, stats = _one_query_attention(query, key, value, None if every_slot else kv_valid, new_valid,
-                                                 scaling, log_weight)
+                                                 scaling, request, log_weight)
             layer.cache.policy.observe(layer, stats)
             return output, None
 
@@ -113,10 +113,11 @@ def _make_attention(backend: str):
     return attention
 
 
-def _one_query_attention(query, key, value, kv_valid, new_valid, scaling, log_weight=None):
+def _one_query_attention(query, key, value, kv_valid, new_valid, scaling, request, log_weight=None):
     """One new query per row (a decode step), when the policy wants statistics: the attention
-    probabilities (in float32 at least), the output from them, and the statistics for free (for
-    one query, its probabilities are both the column mass and the last window row). ``kv_valid``
+    probabilities (in float32 at least), the output from them, and the statistics ``request``
+    asks for, for free (for one query, its probabilities are both the column mass and the last
+    window row). ``kv_valid``
     (B, G, N) masks empty slots, None when every slot holds a token; ``log_weight`` (B, G, N) is
     added to the slots' logits."""
     batch, heads, _, dim = query.shape
@@ -133,7 +134,8 @@ def _one_query_attention(query, key, value, kv_valid, new_valid, scaling, log_we
     probs = probs.float()
     if new_valid is not None and not bool(new_valid.all()):  # a padding query observes nothing
         probs = probs * new_valid[:, :, None, None]
-    return output, AttentionStats(1, column_mass=probs, window=probs[:, :, :, None, :])
+    return output, AttentionStats(1, column_mass=probs if request.column_mass else None,
+                                  window=probs[:, :, :, None, :] if request.window else None)
 
 
 class _Grouping:

@@ -28,6 +28,7 @@ from d2o.engine.policy import Merge
 from d2o.engine.stats import AttentionStats, StatsRequest
 from d2o.errors import D2OError
 from d2o.methods.allocation import Allocation, Uniform, allocation_named, conserve
+from d2o.methods.scoring import scoring_named
 
 if TYPE_CHECKING:
     from d2o.engine.cache import CompressedCache
@@ -181,15 +182,6 @@ def check(ok: bool, parameter: str, value, requirement: str) -> None:
         raise D2OError(f"{parameter}={value!r} {requirement}")
 
 
-def accumulate_mass(layer: CompressedLayer, stats: AttentionStats) -> None:
-    """Add this pass's column mass to the slot state ``mass`` (B, G, N, group), float32."""
-    mass = stats.column_mass.permute(0, 1, 3, 2)
-    if "mass" in layer.slot_state:
-        layer.slot_state["mass"] += mass
-    else:
-        layer.slot_state["mass"] = mass.contiguous()
-
-
 # -- registry -----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Entry:
@@ -216,8 +208,8 @@ def register_variant(name: str, summary: str, build: Callable[..., Method], cls:
 def get_method(name: str, **options) -> Method:
     """Build the method registered as ``name`` with ``options`` overriding its defaults.
 
-    ``allocation`` may be a strategy's name (``"uniform"``); ``component.field`` sets one field of
-    a component (``**{"merge.alpha": 0.3}``, ``--option merge.alpha=0.3`` on the CLI).
+    ``allocation`` and ``scoring`` may be names (``"uniform"``, ``"blended"``); ``component.field``
+    sets one field of a component (``**{"merge.alpha": 0.3}``, ``--option merge.alpha=0.3``).
     """
     entry = REGISTRY.get(name)
     if entry is None:
@@ -226,6 +218,8 @@ def get_method(name: str, **options) -> Method:
     direct = {key: value for key, value in options.items() if "." not in key}
     if isinstance(direct.get("allocation"), str):
         direct["allocation"] = allocation_named(direct["allocation"])
+    if isinstance(direct.get("scoring"), str):
+        direct["scoring"] = scoring_named(direct["scoring"])
     try:
         method = entry.build(**direct)
     except TypeError as error:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from d2o.engine.stats import AttentionStats, StatsRequest
-from d2o.methods.base import HeavyRecent, accumulate_mass, register
+from d2o.methods.base import HeavyRecent, register
+from d2o.methods.scoring import AccumulatedAttention, Scoring
 
 
 @register
@@ -18,16 +19,26 @@ class H2O(HeavyRecent):
     KV head, in float32. Each layer keeps its ``heavy:recent`` split of the budget (1:1 in the
     paper): the newest tokens, and the highest-scoring others; from then on every decode step
     appends one token and evicts one. Same budget in every layer; no sinks in the original.
+    ``scoring`` is the part that scores (``AccumulatedAttention``; swappable, see ``scoring``).
     """
 
     name = "h2o"
     summary = "heavy hitters (accumulated attention) + recent window, 1:1, evicting at every step"
 
+    scoring: Scoring = field(default_factory=AccumulatedAttention)
+
+    @property
+    def needs_surprisal(self) -> bool:
+        return self.scoring.needs_surprisal
+
     def stats_request(self, layer, n_query: int) -> StatsRequest:
-        return StatsRequest(column_mass=True)
+        return self.scoring.stats_request(layer, n_query)
 
     def observe(self, layer, stats: AttentionStats) -> None:
-        accumulate_mass(layer, stats)
+        self.scoring.observe(layer, stats)
+
+    def observe_tokens(self, cache, surprisal: torch.Tensor) -> None:
+        self.scoring.observe_tokens(cache, surprisal)
 
     def score(self, layer) -> torch.Tensor:
-        return layer.slot_state["mass"].sum(-1)
+        return self.scoring.score(layer)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from d2o.methods.base import HeavyRecent, check, register
+from d2o.methods.scoring import SURPRISAL, record_surprisal
 
 
 @register
@@ -31,16 +32,7 @@ class SirLLM(HeavyRecent):
         check(0.0 < self.decay <= 1.0, "decay", self.decay, "must be in (0, 1]")
 
     def observe_tokens(self, cache, surprisal: torch.Tensor) -> None:
-        batch, n_new = surprisal.shape
-        for layer in cache.layers:
-            scores = layer.slot_state.get("surprisal")
-            if scores is None:
-                scores = torch.zeros(layer.token_index.shape, dtype=torch.float32, device=surprisal.device)
-            elif self.decay != 1.0:
-                scores *= self.decay  # the new tokens' slots are overwritten just below
-            fresh = layer.fresh_slots(n_new)
-            scores.scatter_(2, fresh, surprisal[:, None, :].expand(batch, fresh.shape[1], n_new))
-            layer.slot_state["surprisal"] = scores
+        record_surprisal(cache, surprisal, self.decay)
 
     def score(self, layer) -> torch.Tensor:
-        return layer.slot_state["surprisal"]
+        return layer.slot_state[SURPRISAL]

@@ -1,6 +1,17 @@
-"""D2O and its ablations."""
+"""D2O, its ablations, and the library's own D2O (``d2o-plus``) with its ablations."""
 
+from d2o.methods.allocation import Uniform
 from d2o.methods.d2o.merging import SimilarityMerge
-from d2o.methods.d2o.method import D2O
+from d2o.methods.d2o.method import D2O, variant
+from d2o.methods.d2o.plus import D2OPlus
+from d2o.methods.scoring import BlendedScores
 
-__all__ = ["D2O", "SimilarityMerge"]
+variant("d2o-plus-nomerge", "d2o-plus ablation: evicted tokens dropped, not merged", D2OPlus, merge=lambda: None)
+variant("d2o-plus-papermerge", "d2o-plus ablation: D2O's own merging (the paper's)", D2OPlus, merge=SimilarityMerge)
+variant("d2o-plus-nowindow", "d2o-plus ablation: no observation-window share", D2OPlus,
+        scoring=lambda: BlendedScores(window=0))
+variant("d2o-plus-nosurprisal", "d2o-plus ablation: no surprisal share", D2OPlus,
+        scoring=lambda: BlendedScores(surprisal=0.0))
+variant("d2o-plus-uniform", "d2o-plus ablation: the same budget in every layer", D2OPlus, allocation=Uniform)
+
+__all__ = ["D2O", "D2OPlus", "SimilarityMerge"]

@@ -118,18 +118,19 @@ def build_d2o(parity: str | None = None, **options) -> D2O:
 register_variant("d2o", D2O.summary, build_d2o, D2O)
 
 
-def _variant(name: str, summary: str, **defaults) -> None:
+def variant(name: str, summary: str, cls: type[D2O] = D2O, **defaults) -> None:
+    """Register ``cls`` under ``name`` with other defaults (each a function making the value)."""
     register_variant(
-        name, summary, lambda **options: D2O(**{**{k: v() for k, v in defaults.items()}, **options}), D2O
+        name, summary, lambda **options: cls(**{**{k: v() for k, v in defaults.items()}, **options}), cls
     )
 
 
-_variant("d2o-uniform", "D2O ablation: the same budget in every layer (no layer-level allocation)",
+variant("d2o-uniform", "D2O ablation: the same budget in every layer (no layer-level allocation)",
          allocation=Uniform)
-_variant("d2o-nomerge", "D2O ablation: evicted tokens are dropped, not merged", merge=lambda: None)
-_variant("d2o-valuesim", "D2O ablation: merge by similarity of values instead of keys",
+variant("d2o-nomerge", "D2O ablation: evicted tokens are dropped, not merged", merge=lambda: None)
+variant("d2o-valuesim", "D2O ablation: merge by similarity of values instead of keys",
          merge=lambda: SimilarityMerge(on="value"))
-_variant("d2o-expdecay", "D2O ablation: layer budgets decaying exponentially with depth",
+variant("d2o-expdecay", "D2O ablation: layer budgets decaying exponentially with depth",
          allocation=ExponentialDecay)
-_variant("d2o-pyramid", "D2O ablation: layer budgets falling linearly with depth (PyramidKV's)",
+variant("d2o-pyramid", "D2O ablation: layer budgets falling linearly with depth (PyramidKV's)",
          allocation=Pyramid)

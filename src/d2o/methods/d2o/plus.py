@@ -1,0 +1,45 @@
+"""d2o-plus: the library's D2O, built from the parts that won on the embedded model.
+
+Measured on passkey and needle-in-a-haystack prompts (docs/results, with the ablation table):
+D2O's accumulated attention keeps what the whole prompt attended to, which is not what a final
+question needs (the needle gets little attention until it is asked for), nor what a question
+asked only after compression needs; its paper merging folds tokens into a slot that still gets
+the attention of one, with its key and value blurred.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from d2o.engine.policy import Merge
+from d2o.methods.base import register
+from d2o.methods.d2o.merging import SimilarityMerge
+from d2o.methods.d2o.method import D2O
+from d2o.methods.scoring import BlendedScores, Scoring
+
+
+def conservative_merge() -> SimilarityMerge:
+    return SimilarityMerge(values_only=True, mass=True, weighting="count", max_merges=1, skip_first=4,
+                           skip_newest=1)
+
+
+@register
+@dataclass
+class D2OPlus(D2O):
+    """D2O's layer level (inverse-variance budgets), its 3:1 split and 4 sinks, unchanged; then
+
+    - ``scoring``: ``BlendedScores`` - D2O's accumulated attention, plus the attention of the
+      prompt's last 32 queries (they see a question at the end of the prompt), plus each token's
+      surprisal, max-pooled over its neighbours (information the model could not predict, kept
+      with its span whatever is asked later), each normalised to the same weight;
+    - ``merge``: key-similarity merging as in D2O (the running threshold), but a kept slot absorbs
+      at most one evicted token (``max_merges=1``), keeps its own key (``values_only``: RoPE-
+      consistent), averages values by the tokens each stands for (``weighting="count"``) and gets
+      their attention (``mass``: log 2 on its logits); sinks and the current token never absorb.
+    """
+
+    name = "d2o-plus"
+    summary = "d2o with scores that see the question and the content (window + surprisal), careful merging"
+
+    scoring: Scoring = field(default_factory=BlendedScores)
+    merge: Merge | None = field(default_factory=conservative_merge)
