@@ -10,7 +10,7 @@ import time
 import torch
 from transformers import DynamicCache
 
-from d2o.bench.memory import peak_allocated_bytes, peak_process_bytes
+from d2o.bench.memory import peak_allocated_bytes
 from d2o.bench.models import prompt_ids, stock_attention
 from d2o.engine.cache import CompressedCache
 from d2o.engine.stats import StatsRequest, attention_stats
@@ -67,14 +67,11 @@ def bench_prefill(model, tokenizer, lengths: list[int], method: str, budget, rep
         check_length(model, n_tokens)
         ids = torch.tensor([prompt_ids(tokenizer, config.vocab_size, n_tokens)], device=model.device)
         seconds = {name: [] for name in names}
-        peaks = {}
-        for repeat in range(repeats):
+        for _ in range(repeats):
             for name in names:  # alternate, so drifts in machine load hit every variant alike
-                if repeat == 0:  # the first run also measures memory
-                    peaks[name] = peak_process_bytes(
-                        lambda: seconds[name].append(_prefill(model, ids, name, policy, budget)), model.device)
-                else:
-                    seconds[name].append(_prefill(model, ids, name, policy, budget))
+                seconds[name].append(_prefill(model, ids, name, policy, budget))
+        # Memory in runs of their own: the allocation tracking would slow the timed ones.
+        peaks = {name: peak_allocated_bytes(lambda: _prefill(model, ids, name, policy, budget)) for name in names}
         median = {name: statistics.median(values) for name, values in seconds.items()}
         row = {"length": n_tokens, "sdpa_s": round(median["sdpa"], 3), f"{method}_s": round(median[method], 3),
                f"{method}_over_sdpa": round(median[method] / median["sdpa"], 3),
