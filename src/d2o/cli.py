@@ -123,7 +123,7 @@ def methods():
 
 @app.command()
 def demo(model: str = typer.Option("smollm2"), length: int = typer.Option(1500), seed: int = typer.Option(0)):
-    """Passkey retrieval at ~1,500 tokens: full cache against D2O at 20% and 50%."""
+    """Passkey retrieval at ~1,500 tokens: the full cache against d2o and d2o-plus at 20% and 50%."""
     from d2o.demo import run_demo
 
     run_demo(model, length, seed)

@@ -1,4 +1,5 @@
-"""`make demo`: passkey retrieval on the embedded model, full cache against D2O at 20% and 50%."""
+"""`make demo`: passkey retrieval on the embedded model: the full cache, the paper's D2O and the
+library's (``d2o-plus``) at 20% and 50%."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from d2o.eval.tasks.passkey import make_passkey_prompt, passkey_score
 from d2o.runtime.generation import generate
 from d2o.models import load_model
 
-RUNS = (("full", 1.0), ("d2o", 0.2), ("d2o", 0.5))
+RUNS = (("full", 1.0), ("d2o", 0.2), ("d2o-plus", 0.2), ("d2o", 0.5), ("d2o-plus", 0.5))
 
 
 def run_demo(model_name: str = "smollm2", n_tokens: int = 1500, seed: int = 0) -> list[dict]:
@@ -30,8 +31,8 @@ def run_demo(model_name: str = "smollm2", n_tokens: int = 1500, seed: int = 0) -
         })
     print(f"Passkey retrieval, {prompt.n_tokens}-token prompt (essays as filler), key {prompt.key} "
           f"at depth {prompt.depth:.0%}, model {model_name}\n")
-    print(f"{'method':<6} {'budget':>6}  {'answer':<24} {'correct':<7} {'KV tokens':>9} {'KV MiB':>7} {'time s':>6}")
+    print(f"{'method':<8} {'budget':>6}  {'answer':<24} {'correct':<7} {'KV tokens':>9} {'KV MiB':>7} {'time s':>6}")
     for row in rows:
-        print(f"{row['method']:<6} {row['budget']:>6.0%}  {row['answer'][:24]:<24} {str(row['correct']):<7} "
+        print(f"{row['method']:<8} {row['budget']:>6.0%}  {row['answer'][:24]:<24} {str(row['correct']):<7} "
               f"{row['kv_tokens']:>9} {row['kv_bytes'] / 2**20:>7.2f} {row['seconds']:>6.1f}")
     return rows
