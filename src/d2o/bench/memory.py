@@ -1,37 +1,51 @@
-"""Peak memory of a piece of torch code: the GPU allocator's peak, or on the CPU the peak of the
-bytes held by tensors, from the profiler's allocation events."""
+"""Peak memory of a piece of torch code: on a GPU the allocator's peak; on the CPU the peak of the
+process's resident memory, from the kernel's high-water mark (Linux), reset before the code runs.
+
+The resident peak is what the machine must really hold (tensors, allocator slack, everything
+else the code allocates), and reading it costs nothing, so the timed runs themselves are measured.
+Freed heap is handed back to the kernel first (glibc's ``malloc_trim``), so that the code's
+allocations cannot hide in memory an earlier run left resident.
+"""
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
+import ctypes
+import ctypes.util
+import re
+from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+
+from d2o.errors import D2OError
+
+_PROC = Path("/proc/self")
 
 
-def peak_allocated_bytes(fn) -> int:
-    """Peak of the bytes held by tensors allocated while ``fn()`` runs (beyond what existed before)."""
+def measure_peak(fn):
+    """``(fn(), peak)``: the peak bytes held while ``fn`` ran beyond what was held when it started."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
-        fn()
+        result = fn()
         torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - before
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    handle, path = tempfile.mkstemp(suffix=".json")
-    os.close(handle)
-    try:
-        prof.export_chrome_trace(path)
-        with open(path) as stream:
-            events = json.load(stream)["traceEvents"]
-    finally:
-        os.remove(path)
-    memory = [e["args"] for e in events if e.get("name") == "[memory]"]
-    if not memory:
-        return 0
-    baseline = memory[0]["Total Allocated"] - memory[0]["Bytes"]
-    return max(m["Total Allocated"] for m in memory) - baseline
+        return result, torch.cuda.max_memory_allocated() - before
+    if not (_PROC / "clear_refs").exists():
+        raise D2OError("peak CPU memory is read from /proc/self (Linux only); run the benchmark on Linux or a GPU")
+    _trim_heap()
+    (_PROC / "clear_refs").write_text("5")  # the high-water mark restarts from the resident size now
+    before = _status_bytes("VmRSS")
+    result = fn()
+    return result, max(0, _status_bytes("VmHWM") - before)
+
+
+def _status_bytes(field: str) -> int:
+    match = re.search(rf"^{field}:\s+(\d+) kB", (_PROC / "status").read_text(), re.MULTILINE)
+    return int(match.group(1)) * 1024
+
+
+def _trim_heap() -> None:
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    if libc is not None and hasattr(libc, "malloc_trim"):  # glibc; other C libraries return memory themselves
+        libc.malloc_trim(0)

@@ -10,7 +10,7 @@ import time
 import torch
 from transformers import DynamicCache
 
-from d2o.bench.memory import peak_allocated_bytes
+from d2o.bench.memory import measure_peak
 from d2o.bench.models import prompt_ids, stock_attention
 from d2o.engine.cache import CompressedCache
 from d2o.engine.stats import StatsRequest, attention_stats
@@ -18,17 +18,21 @@ from d2o.methods import get_method
 from d2o.runtime.prompts import check_length
 
 BASELINES = ("sdpa", "eager")
+WARM_UP_TOKENS = 128
 
 
-def _prefill(model, ids: torch.Tensor, name: str, policy, budget) -> float:
-    """Seconds of one prefill of ``ids`` by ``name``: a stock kernel, or the method."""
+def _prefill(model, ids: torch.Tensor, name: str, policy, budget) -> tuple[float, int]:
+    """Seconds and peak extra bytes of one prefill of ``ids`` by ``name``: a stock kernel, or the method."""
     def run(cache):
-        start = time.perf_counter()
-        with torch.inference_mode():
-            model(input_ids=ids, cache=cache, logits_to_keep=1)
-        if ids.device.type == "cuda":
-            torch.cuda.synchronize(ids.device)
-        return time.perf_counter() - start
+        def timed():
+            start = time.perf_counter()
+            with torch.inference_mode():
+                model(input_ids=ids, cache=cache, logits_to_keep=1)
+            if ids.device.type == "cuda":
+                torch.cuda.synchronize(ids.device)
+            return time.perf_counter() - start
+
+        return measure_peak(timed)
 
     if name not in BASELINES:
         return run(CompressedCache(model, policy, budget))
@@ -51,7 +55,7 @@ def stats_peak_bytes(model, n_tokens: int) -> int:
     valid = torch.ones(1, n_tokens, dtype=torch.bool, device=model.device)
     request = StatsRequest(column_mass=True)
     per_head = valid[:, None].expand(-1, kv_heads, -1)
-    return peak_allocated_bytes(lambda: attention_stats(query, key, per_head, valid, dim**-0.5, request))
+    return measure_peak(lambda: attention_stats(query, key, per_head, valid, dim**-0.5, request))[1]
 
 
 def bench_prefill(model, tokenizer, lengths: list[int], method: str, budget, repeats: int = 1,
@@ -62,17 +66,20 @@ def bench_prefill(model, tokenizer, lengths: list[int], method: str, budget, rep
     policy.check_budget(budget)
     config = model.config.get_text_config()
     names = ["sdpa", method] + (["eager"] if eager else [])
-    rows = []
     for n_tokens in lengths:
         check_length(model, n_tokens)
+    warm_up = torch.tensor([prompt_ids(tokenizer, config.vocab_size, WARM_UP_TOKENS)], device=model.device)
+    for name in names:  # one-time allocations (thread pools, kernels' buffers) before any is measured
+        _prefill(model, warm_up, name, policy, budget)
+    rows = []
+    for n_tokens in lengths:
         ids = torch.tensor([prompt_ids(tokenizer, config.vocab_size, n_tokens)], device=model.device)
-        seconds = {name: [] for name in names}
+        runs = {name: [] for name in names}
         for _ in range(repeats):
             for name in names:  # alternate, so drifts in machine load hit every variant alike
-                seconds[name].append(_prefill(model, ids, name, policy, budget))
-        # Memory in runs of their own: the allocation tracking would slow the timed ones.
-        peaks = {name: peak_allocated_bytes(lambda: _prefill(model, ids, name, policy, budget)) for name in names}
-        median = {name: statistics.median(values) for name, values in seconds.items()}
+                runs[name].append(_prefill(model, ids, name, policy, budget))
+        median = {name: statistics.median(seconds for seconds, _ in values) for name, values in runs.items()}
+        peaks = {name: max(peak for _, peak in values) for name, values in runs.items()}
         row = {"length": n_tokens, "sdpa_s": round(median["sdpa"], 3), f"{method}_s": round(median[method], 3),
                f"{method}_over_sdpa": round(median[method] / median["sdpa"], 3),
                "sdpa_peak_mib": round(peaks["sdpa"] / 2**20, 1), f"{method}_peak_mib": round(peaks[method] / 2**20, 1),

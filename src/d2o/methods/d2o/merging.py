@@ -27,6 +27,7 @@ WEIGHTINGS = ("paper", "official", "normalized", "count")
 DECISIONS = ("per_head", "mean_over_heads")
 MERGES = "merges"  # slot state: evicted (token, KV head) pairs each kept slot has absorbed
 NO_TARGET = -2.0  # the similarity of an evicted token with no slot allowed to absorb it
+NORM_EPS = 1e-12  # as torch.nn.functional.normalize
 
 
 @dataclass
@@ -161,14 +162,16 @@ class SimilarityMerge:
         counts = merged.float() if self.weighting == "official" else source_weight
         parts = ((values, evicted.values),) if self.values_only else ((keys, evicted.keys), (values, evicted.values))
         if target.shape[-1] == 1:  # a decode step: at most one evicted token per row and head, so one target
+            # As shares of the denominator: a slot that absorbs nothing keeps exactly 1 x itself + 0.
             row_index, head_index = layer.grid()
-            slot, hit = target[..., 0], merged[..., 0, None]
-            own = self_weight if isinstance(self_weight, float) else self_weight[row_index, head_index, slot][..., None]
-            denominator = own + counts[..., 0, None]
+            slot = target[..., 0]
+            own = self_weight if isinstance(self_weight, float) else self_weight[row_index, head_index, slot]
+            denominator = own + counts[..., 0]
+            own_share, source_share = (own / denominator)[..., None], (source_weight[..., 0] / denominator)[..., None]
             for kept, sources in parts:
-                current = kept[row_index, head_index, slot]
-                blended = current.float() * own + sources[:, :, 0].float() * source_weight[..., 0, None]
-                kept[row_index, head_index, slot] = torch.where(hit, (blended / denominator).to(kept.dtype), current)
+                current = kept[row_index, head_index, slot].float()
+                blended = torch.addcmul(current * own_share, sources[:, :, 0].float(), source_share)
+                kept[row_index, head_index, slot] = blended.to(kept.dtype)
         else:
             received = torch.zeros(keys.shape[:3], dtype=torch.int32, device=keys.device)
             received.scatter_add_(2, target, merged.int())
@@ -201,16 +204,24 @@ def rank_within_target(target: torch.Tensor, merged: torch.Tensor, best: torch.T
 
 def most_similar(sources: torch.Tensor, targets: torch.Tensor, target_valid: torch.Tensor):
     """Best cosine similarity of each source (B, G, E, D) with a valid target (B, G, K, D) (validity
-    per KV head, (B, G, K)), and its index."""
+    per KV head, (B, G, K)), and its index.
+
+    The targets are the whole kept cache, at every decode step: their dot products with the
+    normalised sources are divided by their norms rather than normalising them, so they are read
+    twice and never copied."""
     sources = torch.nn.functional.normalize(sources.float(), dim=-1)
-    targets_t = torch.nn.functional.normalize(targets.float(), dim=-1).transpose(-1, -2)
+    targets = targets.float()
+    target_scale = torch.linalg.vector_norm(targets, dim=-1).clamp_min_(NORM_EPS).reciprocal_()[:, :, None, :]
+    targets_t = targets.transpose(-1, -2)
     invalid = ~target_valid[:, :, None, :]  # scored NO_TARGET: below any cosine similarity
     batch, heads, n_sources, _ = sources.shape
     chunk = max(1, CHUNK_ELEMENTS // max(1, batch * heads * targets.shape[2]))
     best, index = [], []
     for start in range(0, n_sources, chunk):
-        similarity = torch.matmul(sources[:, :, start : start + chunk], targets_t).masked_fill_(invalid, NO_TARGET)
-        values, indices = similarity.max(dim=-1)
+        similarity = torch.matmul(sources[:, :, start : start + chunk], targets_t).mul_(target_scale)
+        values, indices = similarity.masked_fill_(invalid, NO_TARGET).max(dim=-1)
         best.append(values)
         index.append(indices)
+    if len(best) == 1:
+        return best[0], index[0]
     return torch.cat(best, dim=-1), torch.cat(index, dim=-1)
