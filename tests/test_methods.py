@@ -9,6 +9,7 @@ from transformers import DynamicCache
 
 from d2o import Budget, D2OError, get_method
 from d2o.methods import REGISTRY
+from d2o.methods import scoring
 from d2o.methods.base import HeavyRecent
 from d2o.methods.snapkv import SnapKV
 
@@ -138,8 +139,8 @@ def explicit():
     return model, ids, [a[0] for a in attentions]
 
 
-def kept_after_prefill(model, ids, name):
-    cache = make_cache(model, name, BUDGET)
+def kept_after_prefill(model, ids, method):
+    cache = make_cache(model, method, BUDGET)
     with torch.inference_mode():
         model(input_ids=ids, cache=cache)
     return [[set(head.tolist()) for head in layer.token_index[0]] for layer in cache.layers]
@@ -184,6 +185,45 @@ def test_snapkv_keeps_the_pooled_window_votes(explicit):
         for head, kept in enumerate(layer):
             expected = set(range(PROMPT - window, PROMPT)) | top(scores[head], 60 - window, range(PROMPT - window))
             assert kept == expected
+
+
+def reference_spread(values, before, after):
+    """Each position gets the largest value of the positions from `after` before it to `before` after it."""
+    n = values.shape[-1]
+    return torch.stack([values[..., max(0, t - after): t + before + 1].amax(-1) for t in range(n)], dim=-1)
+
+
+def test_d2o_plus_keeps_by_blended_scores_with_forward_spans(explicit):
+    """d2o-plus's token level (no merge, uniform budgets): mass share + the max-vote share of the last 32
+    queries spread 3 back / 8 forward + twice the surprisal share spread 3 back / 16 forward."""
+    model, ids, attentions = explicit
+    with torch.inference_mode():
+        logits = model(input_ids=ids).logits[0].double()  # no d2o cache: every position, nothing evicted
+    surprisal = torch.logsumexp(logits[:-1], -1) - logits[:-1].gather(-1, ids[0, 1:, None])[:, 0]
+    surprisal = reference_spread(torch.cat([torch.zeros(1, dtype=surprisal.dtype), surprisal]), 3, 16)
+    method = get_method("d2o-plus", merge=None, allocation="uniform")
+    budget, recent = 60, 15  # 3:1 split, 4 sinks
+    for layer, attention in zip(kept_after_prefill(model, ids, method), attentions):
+        grouped = per_kv_head(attention)  # (G, group, S, S)
+        mass = grouped.sum(dim=(1, 2))
+        votes = reference_spread(grouped[:, :, -32:].amax(dim=(1, 2)), 3, 8)
+        scores = mass / mass.sum(-1, keepdim=True) + votes / votes.sum(-1, keepdim=True) + 2 * surprisal / surprisal.sum()
+        for head, kept in enumerate(layer):
+            expected = set(range(4)) | set(range(PROMPT - recent, PROMPT))
+            assert kept == expected | top(scores[head], budget - len(expected), range(4, PROMPT - recent))
+
+
+def test_spreads_follow_token_order_whatever_the_slots():
+    generator = torch.Generator().manual_seed(0)
+    values = torch.rand(2, 3, 20, generator=generator)
+    in_order = scoring.spread(values, (3, 8))
+    assert torch.equal(in_order, reference_spread(values, 3, 8))
+    order = torch.stack([torch.randperm(20, generator=generator) for _ in range(6)]).view(2, 3, 20)
+    token_index = torch.cat([order, torch.full((2, 3, 2), -1)], dim=-1)  # slots in any order, two empty
+    slotted = torch.cat([values.gather(-1, order), torch.full((2, 3, 2), 5.0)], dim=-1)
+    spread = scoring.spread_in_token_order(slotted, token_index, (3, 8))
+    assert torch.equal(spread[..., :20], in_order.gather(-1, order))  # each token's own spread value
+    assert torch.equal(spread[..., 20:], torch.zeros(2, 3, 2))  # empty slots spread nothing and get nothing
 
 
 def test_streamingllm_keeps_sinks_and_the_last_tokens(explicit):
@@ -254,6 +294,10 @@ def test_sirllm_keeps_the_most_surprising_tokens():
     ("streamingllm", {"n_sinks": 40}, 0.2, "40 sinks"),
     ("tova", {"window": 3}, 0.3, "options: "),
     ("d2o", {"parity": "paper"}, 0.3, "parity='paper'"),
+    ("d2o-plus", {"scoring.span": (3, -1)}, 0.3, "span=\\(3, -1\\)"),
+    ("d2o-plus", {"scoring.surprisal_span": 4}, 0.3, "surprisal_span=4"),
+    ("d2o-plus", {"scoring.votes": "mean"}, 0.3, "votes='mean'"),
+    ("d2o-plus", {"scoring.surprisal": -1.0}, 0.3, "surprisal=-1.0"),
 ])
 def test_out_of_range_method_options_name_the_parameter(name, options, budget, parameter):
     model = tiny_model("llama")

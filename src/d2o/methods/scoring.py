@@ -61,30 +61,42 @@ class BlendedScores(AccumulatedAttention):
 
     - accumulated attention, divided by the queries that could see each token when ``mean``
       (so an early token is not preferred for having been seen by more queries);
-    - the attention of the latest queries (max-pooled over ``kernel`` neighbours): at the prefill
-      the prompt's last ``window`` (SnapKV's observation window: a question at the end of the
-      prompt points at what it needs), then each pass's own (a question fed after the context was
-      compressed, each new token);
-    - the token's surprisal ``-log p(token | before)``, max-pooled over ``surprisal_kernel``
-      neighbours in the token order of a pass and weighted by ``surprisal``: what the model
-      could not predict is information, wherever the question comes, and its neighbours are the
-      span that carries it. ``surprisal=0`` drops the share (and the logits it costs).
+    - the votes of the latest queries: at the prefill the prompt's last ``window`` (SnapKV's
+      observation window: a question at the end of the prompt points at what it needs), then each
+      pass's own (a question fed after the context was compressed, each new token). ``votes="max"``
+      scores a token by the strongest attention any of those queries (any head of its group) pays
+      it, ``"sum"`` by their total (SnapKV's rule, under which many weak attentions of the context's
+      own queries outvote the one strong look of a retrieving query);
+    - the token's surprisal ``-log p(token | before)`` in a pass, weighted by ``surprisal``: what
+      the model could not predict is information, wherever the question comes. ``surprisal=0``
+      drops the share (and the logits it costs).
+
+    Votes and surprisal then spread in token order: a vote on a token reaches the ``span[0]``
+    tokens before it and the ``span[1]`` after it (each token keeps the largest that reaches it;
+    ``span=(3, 3)`` is SnapKV's max-pool kernel of 7). Reading goes forward: a query that finds a token next reads the tokens
+    that follow it (the digits after a passkey's first, the rest of a needle's phrase, each found by
+    the previous one only once it is generated), so a vote reaches further forward than back; a
+    surprising token opens new information that runs on for a clause (``surprisal_span``).
     """
 
     mean: bool = False
     window: int = 32
-    kernel: int = 7
-    surprisal: float = 1.0
-    surprisal_kernel: int = 7
+    votes: str = "max"
+    span: tuple[int, int] = (3, 8)
+    surprisal: float = 2.0
+    surprisal_span: tuple[int, int] = (3, 16)
 
     def __post_init__(self):
-        for name in ("window", "kernel", "surprisal_kernel"):
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 0:
+            raise D2OError(f"window={self.window!r} must be a whole number >= 0")
+        if self.votes not in VOTE_RULES:
+            raise D2OError(f"votes={self.votes!r} must be one of {', '.join(VOTE_RULES)}")
+        for name in ("span", "surprisal_span"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "window" else 1):
-                raise D2OError(f"{name}={value!r} must be a whole number >= {0 if name == 'window' else 1}")
-        for name in ("kernel", "surprisal_kernel"):
-            if getattr(self, name) % 2 == 0:
-                raise D2OError(f"{name}={getattr(self, name)!r} must be odd")
+            if (not isinstance(value, (tuple, list)) or len(value) != 2
+                    or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in value)):
+                raise D2OError(f"{name}={value!r} must be two whole numbers >= 0: the tokens before and after a voted one")
+            setattr(self, name, tuple(value))
         if not self.surprisal >= 0:
             raise D2OError(f"surprisal={self.surprisal!r} must be >= 0")
 
@@ -98,11 +110,12 @@ class BlendedScores(AccumulatedAttention):
     def observe(self, layer, stats: AttentionStats) -> None:
         accumulate_mass(layer, stats)
         if stats.window is not None:  # the votes of this pass's last queries replace the last pass's
-            votes = stats.window.sum(dim=(2, 3))  # (B, G, N): over the group's heads and the window's queries
-            layer.slot_state[VOTES] = max_pool_in_token_order(votes, layer.token_index, self.kernel)
+            # (B, G, N): over the group's heads and the window's queries (padding queries' rows are 0)
+            votes = stats.window.amax(dim=(2, 3)) if self.votes == "max" else stats.window.sum(dim=(2, 3))
+            layer.slot_state[VOTES] = spread_in_token_order(votes, layer.token_index, self.span)
 
     def observe_tokens(self, cache, surprisal: torch.Tensor) -> None:
-        record_surprisal(cache, max_pool(surprisal, self.surprisal_kernel))
+        record_surprisal(cache, spread(surprisal, self.surprisal_span))
 
     def score(self, layer) -> torch.Tensor:
         valid = layer.valid
@@ -115,6 +128,9 @@ class BlendedScores(AccumulatedAttention):
         if self.surprisal and SURPRISAL in layer.slot_state:
             total += self.surprisal * share(layer.slot_state[SURPRISAL], valid)
         return total
+
+
+VOTE_RULES = ("max", "sum")
 
 
 def scoring_named(name: str) -> Scoring:
@@ -131,22 +147,26 @@ def share(scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return scores / scores.sum(-1, keepdim=True).clamp_min(1e-12)
 
 
-def max_pool(values: torch.Tensor, kernel: int) -> torch.Tensor:
-    """1-D max pooling over the last dimension (keeps the shape)."""
-    if kernel == 1:
+def spread(values: torch.Tensor, span: tuple[int, int]) -> torch.Tensor:
+    """Over the last dimension, each value reaches the ``span[0]`` positions before it and the
+    ``span[1]`` after it: a position gets the largest value reaching it (a 1-D max pool of
+    ``values`` >= 0, shape kept)."""
+    before, after = span
+    if after == before == 0:
         return values
-    flat = values.reshape(-1, 1, values.shape[-1])
-    return F.max_pool1d(flat, kernel, stride=1, padding=kernel // 2).view(values.shape)
+    flat = F.pad(values.reshape(-1, 1, values.shape[-1]), (after, before))  # position t: t-after .. t+before
+    return F.max_pool1d(flat, before + after + 1, stride=1).view(values.shape)
 
 
-def max_pool_in_token_order(values: torch.Tensor, token_index: torch.Tensor, kernel: int) -> torch.Tensor:
-    """``values`` (B, G, N) max-pooled over each slot's neighbours in token order (slots hold tokens
-    in no order; empty ones, -1, come last and hold zeros)."""
-    if kernel == 1:
-        return values
-    order = token_index.masked_fill(token_index < 0, torch.iinfo(token_index.dtype).max).argsort(dim=-1)
-    pooled = max_pool(values.masked_fill(token_index < 0, 0.0).gather(-1, order), kernel)
-    return torch.empty_like(pooled).scatter_(-1, order, pooled)
+def spread_in_token_order(values: torch.Tensor, token_index: torch.Tensor, span: tuple[int, int]) -> torch.Tensor:
+    """``spread`` of ``values`` (B, G, N) over each slot's neighbours in token order (slots hold
+    tokens in no order; empty ones, -1, neither give nor get a value)."""
+    empty = token_index < 0
+    if span == (0, 0):
+        return values.masked_fill(empty, 0.0)
+    order = token_index.masked_fill(empty, torch.iinfo(token_index.dtype).max).argsort(dim=-1)  # empty ones last
+    spread_values = spread(values.masked_fill(empty, 0.0).gather(-1, order), span)
+    return torch.empty_like(spread_values).scatter_(-1, order, spread_values).masked_fill_(empty, 0.0)
 
 
 def accumulate_mass(layer, stats: AttentionStats) -> None:

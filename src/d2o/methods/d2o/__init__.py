@@ -13,5 +13,9 @@ variant("d2o-plus-nowindow", "d2o-plus ablation: no observation-window share", D
 variant("d2o-plus-nosurprisal", "d2o-plus ablation: no surprisal share", D2OPlus,
         scoring=lambda: BlendedScores(surprisal=0.0))
 variant("d2o-plus-uniform", "d2o-plus ablation: the same budget in every layer", D2OPlus, allocation=Uniform)
+variant("d2o-plus-sumvotes", "d2o-plus ablation: votes summed over the latest queries (SnapKV's rule), not their max",
+        D2OPlus, scoring=lambda: BlendedScores(votes="sum"))
+variant("d2o-plus-noreach", "d2o-plus ablation: votes and surprisal spread 3 tokens each way (SnapKV's kernel 7)",
+        D2OPlus, scoring=lambda: BlendedScores(span=(3, 3), surprisal_span=(3, 3)))
 
 __all__ = ["D2O", "D2OPlus", "SimilarityMerge"]
