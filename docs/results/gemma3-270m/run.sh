@@ -8,7 +8,7 @@
 set -euo pipefail
 D2O=${D2O:-.venv/bin/d2o}
 OUT=${OUT:-docs/results/gemma3-270m}
-M=full,streamingllm,h2o,tova,snapkv,pyramidkv,sirllm,d2o,d2o-plus
+M=full,streamingllm,h2o,tova,snapkv,pyramidkv,sirllm,d2o,d2o-plus,d2o-plus-nomerge
 G="--model gemma3-270m --seed 0 --methods $M --budgets 0.05,0.1,0.2"
 NIAH="--task-option lengths=2048,4096,8192 --task-option depths=0,0.25,0.5,0.75,1 --limit 1"
 for length in 2048 4096 8192; do
@@ -20,5 +20,5 @@ for length in 4096 8192; do
     --out "$OUT/passkey-$length-context"
 done
 $D2O eval --task perplexity --task-option length=8192 --task-option chunk=64 --model gemma3-270m --seed 0 \
-  --methods full,streamingllm,h2o,tova,sirllm,d2o,d2o-plus --budgets 0.1 --out "$OUT/perplexity"
+  --methods full,streamingllm,h2o,tova,sirllm,d2o,d2o-plus,d2o-plus-nomerge --budgets 0.1 --out "$OUT/perplexity"
 $D2O eval --task niah $NIAH $G --protocol context --out "$OUT/niah-context"

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The held-out check: the settings of d2o-plus were chosen on seed 1 of the passkey and NIAH tasks;
+# here the methods meet data none of them was tuned on: a passkey hidden in the GNU GPL v3 (legal
+# text, not essays; Debian's /usr/share/common-licenses/GPL-3) and another needle (the original
+# needle-in-a-haystack one) in the essays, at another seed, in both protocols. Each command resumes.
+set -euo pipefail
+D2O=${D2O:-.venv/bin/d2o}
+OUT=${OUT:-docs/results/heldout}
+M=full,h2o,tova,snapkv,pyramidkv,sirllm,d2o,d2o-nomerge,d2o-plus,d2o-plus-nomerge
+B=0.1,0.2,0.5
+NEEDLE=(--task-option "needle=The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day."
+        --task-option "question=What is the best thing to do in San Francisco?"
+        --task-option "answer_prefix=The best thing to do in San Francisco is"
+        --task-option "fact=eat a sandwich and sit in Dolores Park")
+for protocol in prompt context; do
+  suffix=$([ "$protocol" = context ] && echo "-context" || true)
+  $D2O eval --task passkey --task-option length=1500 --task-option haystack=/usr/share/common-licenses/GPL-3 \
+    --limit 10 --seed 2 --methods $M --budgets $B --protocol $protocol --out "$OUT/passkey-gpl$suffix"
+  $D2O eval --task niah "${NEEDLE[@]}" --task-option lengths=500,1000,2000 --task-option depths=0,0.25,0.5,0.75,1 \
+    --limit 1 --seed 2 --methods $M --budgets $B --protocol $protocol --out "$OUT/niah-sf$suffix"
+done
