@@ -319,7 +319,8 @@ def test_the_mass_correction_reaches_the_model_through_sdpa_and_eager():
     ({"skip_first": 1.5}, "skip_first=1.5"),
     ({"skip_newest": -2}, "skip_newest=-2"),
     ({"mass": "yes"}, "mass='yes'"),
-    ({"weighting": "mean"}, "weighting='mean' must be one of paper, official, normalized, count"),
+    ({"weighting": "mean"}, "weighting=.mean. must be one of paper, official, normalized, count, attention"),
+    ({"attention": "surprisal"}, "attention=.surprisal. must be one of votes, mass"),
 ])
 def test_merge_options_out_of_range_name_the_parameter(options, parameter):
     with pytest.raises(D2OError, match=parameter):
@@ -339,3 +340,40 @@ def test_merge_options_values_only_cap_and_skipped_targets():
     assert int(count) == 2 * 2 and layer.slot_state["merges"][0, :, 2].tolist() == [2, 2]
     layer, count = merged_layer(SimilarityMerge(skip_first=3), keys, values, keep, evict, tau=low)
     assert int(layer.slot_state["merges"][0, :, :3].sum()) == 0 and int(count) > 0  # 0, 1, 2 may not absorb
+
+
+@pytest.mark.parametrize("attention", ["votes", "mass"])
+def test_attention_weighting_blends_by_the_attention_each_token_received(attention):
+    """weighting="attention": an evicted token weighs what its attention says against its target's
+    (never more than the tokens it stands for); the slot's log weight grows by as much."""
+    keys, values = identical_tokens_layer(n_same=2)  # token 3 is a copy of token 2: it merges there
+    values[:, :, 3] = torch.randn(8, dtype=torch.float64)  # ... but carries another value
+    keep, evict = torch.tensor([0, 1, 2, 5, 6, 7, 8]).expand(1, 2, 7), torch.tensor([3]).expand(1, 2, 1)
+    for evicted_share, expected_weight in ((0.25, 0.25), (4.0, 1.0)):  # the second is capped at one token
+        layer = make_layer(keys, values)
+        layer.real_seen = torch.tensor([9])
+        received = torch.ones(1, 2, 9, dtype=torch.float32)
+        received[:, :, 3] = evicted_share
+        if attention == "votes":
+            layer.slot_state["votes"] = received
+        else:  # accumulated over two query heads per KV head, per query that could see the token
+            layer.slot_state["mass"] = (received * (9 - torch.arange(9)))[..., None].expand(-1, -1, -1, 2) / 2
+        layer.state = MergeState(tau=torch.zeros(1))
+        evicted = layer.evicted(evict, torch.ones(1, 1, dtype=torch.bool))
+        layer.keep(keep, torch.ones(1, 7, dtype=torch.bool))
+        merge = SimilarityMerge(values_only=True, mass=True, weighting="attention", attention=attention)
+        assert int(merge.merge(layer, evicted)) == 2
+        blended = (values[:, :, 2] + expected_weight * values[:, :, 3]) / (1 + expected_weight)
+        torch.testing.assert_close(layer.values[:, :, 2], blended)
+        torch.testing.assert_close(layer.log_weight[0, :, 2], torch.full((2,), math.log(1 + expected_weight)))
+        torch.testing.assert_close(layer.keys, keys.gather(2, keep[..., None].expand(-1, -1, -1, 8)))
+
+
+def test_attention_weighting_needs_the_state_it_reads():
+    keys, values = identical_tokens_layer()
+    layer = make_layer(keys, values)
+    layer.state = MergeState(tau=torch.zeros(1))
+    evicted = layer.evicted(torch.tensor([3]).expand(1, 2, 1), torch.ones(1, 1, dtype=torch.bool))
+    layer.keep(torch.tensor([0, 1, 2, 5, 6, 7, 8]).expand(1, 2, 7), torch.ones(1, 7, dtype=torch.bool))
+    with pytest.raises(D2OError, match="slot state 'votes'"):
+        SimilarityMerge(weighting="attention").merge(layer, evicted)

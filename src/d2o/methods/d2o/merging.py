@@ -21,9 +21,11 @@ from d2o.engine.policy import Evicted
 from d2o.engine.stats import CHUNK_ELEMENTS
 from d2o.engine.storage import RowState
 from d2o.errors import D2OError
+from d2o.methods.scoring import MASS, VOTES
 
 SIMILARITY_ON = ("key", "value")
-WEIGHTINGS = ("paper", "official", "normalized", "count")
+WEIGHTINGS = ("paper", "official", "normalized", "count", "attention")
+ATTENTION_STATES = (VOTES, MASS)
 DECISIONS = ("per_head", "mean_over_heads")
 MERGES = "merges"  # slot state: evicted (token, KV head) pairs each kept slot has absorbed
 NO_TARGET = -2.0  # the similarity of an evicted token with no slot allowed to absorb it
@@ -46,7 +48,14 @@ class SimilarityMerge:
       - ``paper``: (e * c + sum exp(m_e) e) / (e + sum exp(m_e)) (convex, Euler's e for c itself);
       - ``official``: (c + sum m_e e) / (1 + |E_c|) (the released code; the vector shrinks);
       - ``normalized``: (c + sum m_e e) / (1 + sum m_e) (the released weights, made convex);
-      - ``count``: each vector weighted by the number of tokens it stands for (a token-count mean).
+      - ``count``: each vector weighted by the number of tokens it stands for (a token-count mean);
+      - ``attention``: each vector weighted by the attention it is expected to receive. A kept slot
+        standing for n_c tokens that received attention a_c, absorbing e (n_e tokens, attention
+        a_e), weighs n_c and e weighs min(n_e, n_c * a_e / a_c): a query that attends to c far more
+        than to e (the one that retrieves c) is answered with c's value, not a blend. ``attention``
+        names the slot state a is read from: ``votes``, the strongest look of the latest queries
+        (kept by ``BlendedScores``: the best guess at the queries to come), or ``mass``, the
+        accumulated attention per query that could see the token (kept by every attention score).
 
     Options beyond the paper (all off in ``d2o``): ``mass``, a slot standing for n tokens gets
     log n added to its attention logits (and statistics), so it receives the attention of n tokens;
@@ -64,12 +73,14 @@ class SimilarityMerge:
     max_merges: int | None = None
     skip_first: int = 0
     skip_newest: int = 0
+    attention: str = VOTES
 
     def __post_init__(self):
         if not 0.0 <= self.alpha <= 1.0:
             raise D2OError(f"alpha={self.alpha!r} must be in [0, 1]")
         for name, value, allowed in (("on", self.on, SIMILARITY_ON), ("weighting", self.weighting, WEIGHTINGS),
-                                     ("decision", self.decision, DECISIONS)):
+                                     ("decision", self.decision, DECISIONS), ("attention", self.attention,
+                                                                               ATTENTION_STATES)):
             if value not in allowed:
                 raise D2OError(f"{name}={value!r} must be one of {', '.join(allowed)}")
         if self.max_merges is not None and (isinstance(self.max_merges, bool) or not isinstance(self.max_merges, int)
@@ -149,13 +160,18 @@ class SimilarityMerge:
         weights w and denominators d of ``weighting``; the others are left exactly as they are.
         """
         keys, values = layer.keys, layer.values
-        if self.weighting == "count" or self.mass:
+        if self.weighting in ("count", "attention") or self.mass:
             kept_count = layer.weights().exp()  # (B, G, N) tokens each slot stands for
             gone_count = evicted.log_weight.exp() if evicted.log_weight is not None else torch.ones_like(best)
         if self.weighting == "paper":
             self_weight, source_weight = math.e, best.exp()
         elif self.weighting == "count":
             self_weight, source_weight = kept_count, gone_count
+        elif self.weighting == "attention":
+            kept_attention = self._attention(layer, layer.slot_state, layer.token_index).gather(2, target)
+            gone_attention = self._attention(layer, evicted.slot_state, evicted.token_index)
+            expected = kept_count.gather(2, target) * gone_attention / kept_attention.clamp_min(NORM_EPS)
+            self_weight, source_weight = kept_count, torch.minimum(gone_count, expected)
         else:
             self_weight, source_weight = 1.0, best
         source_weight = torch.where(merged, source_weight, 0.0)
@@ -183,9 +199,21 @@ class SimilarityMerge:
                 contribution = sources.float() * source_weight[..., None]
                 numerator.scatter_add_(2, target[..., None].expand_as(contribution), contribution)
                 kept.copy_(torch.where(received[..., None] > 0, numerator / denominator[..., None], kept.float()))
-        if self.mass:  # a slot's weight: the tokens it now stands for
-            added = torch.zeros_like(kept_count).scatter_add_(2, target, torch.where(merged, gone_count, 0.0))
+        if self.mass:  # a slot's weight: the tokens it now stands for (as much of them as its attention says)
+            stands_for = source_weight if self.weighting == "attention" else gone_count
+            added = torch.zeros_like(kept_count).scatter_add_(2, target, torch.where(merged, stands_for, 0.0))
             layer.log_weight = torch.where(added > 0, (kept_count + added).log(), layer.log_weight)
+
+
+    def _attention(self, layer, slot_state: dict, token_index: torch.Tensor) -> torch.Tensor:
+        """(B, G, n) the attention the slots of ``slot_state`` received, as ``attention`` says."""
+        if self.attention not in slot_state:
+            raise D2OError(f"weighting='attention' reads the attention each slot received from its slot state "
+                           f"{self.attention!r}, which this method's scoring does not keep")
+        if self.attention == VOTES:
+            return slot_state[VOTES].float()
+        queries_seen = (layer.real_seen[:, None, None] - token_index).clamp_min(1)
+        return slot_state[MASS].float().sum(-1) / queries_seen
 
 
 def rank_within_target(target: torch.Tensor, merged: torch.Tensor, best: torch.Tensor) -> torch.Tensor:
