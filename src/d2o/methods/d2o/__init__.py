@@ -3,13 +3,16 @@
 from d2o.methods.allocation import Uniform
 from d2o.methods.d2o.merging import SimilarityMerge
 from d2o.methods.d2o.method import D2O, variant
-from d2o.methods.d2o.plus import D2OPlus
+from d2o.methods.d2o.plus import D2OPlus, attention_weighted_merge
 from d2o.methods.scoring import BlendedScores
 
 variant("d2o-plus-nomerge", "d2o-plus ablation: evicted tokens dropped, not merged", D2OPlus, merge=lambda: None)
 variant("d2o-plus-papermerge", "d2o-plus ablation: D2O's own merging (the paper's)", D2OPlus, merge=SimilarityMerge)
-variant("d2o-plus-nowindow", "d2o-plus ablation: no observation-window share", D2OPlus,
-        scoring=lambda: BlendedScores(window=0))
+variant("d2o-plus-countmerge", "d2o-plus ablation: values blended by token count, one per kept slot, not by attention",
+        D2OPlus, merge=lambda: SimilarityMerge(values_only=True, mass=True, weighting="count", max_merges=1,
+                                               skip_first=4, skip_newest=1))
+variant("d2o-plus-nowindow", "d2o-plus ablation: no observation-window share (merging weighs accumulated attention)",
+        D2OPlus, scoring=lambda: BlendedScores(window=0), merge=lambda: attention_weighted_merge("mass"))
 variant("d2o-plus-nosurprisal", "d2o-plus ablation: no surprisal share", D2OPlus,
         scoring=lambda: BlendedScores(surprisal=0.0))
 variant("d2o-plus-uniform", "d2o-plus ablation: the same budget in every layer", D2OPlus, allocation=Uniform)
