@@ -32,7 +32,7 @@ def merged_layer(merge, keys, values, keep, evict, tau=None):
     layer.state = MergeState(tau=tau)
     evicted = layer.evicted(evict, torch.ones(evict.shape[0], evict.shape[2], dtype=torch.bool))
     layer.keep(keep, torch.ones(keep.shape[0], keep.shape[2], dtype=torch.bool))
-    return layer, merge.merge(layer, evicted)
+    return layer, merge.merge([layer], [evicted])[0]
 
 
 def reference_merge(keys, values, keep, evict, tau_previous=None, alpha=0.5):
@@ -362,7 +362,7 @@ def test_attention_weighting_blends_by_the_attention_each_token_received(attenti
         evicted = layer.evicted(evict, torch.ones(1, 1, dtype=torch.bool))
         layer.keep(keep, torch.ones(1, 7, dtype=torch.bool))
         merge = SimilarityMerge(values_only=True, mass=True, weighting="attention", attention=attention)
-        assert int(merge.merge(layer, evicted)) == 2
+        assert int(merge.merge([layer], [evicted])[0]) == 2
         blended = (values[:, :, 2] + expected_weight * values[:, :, 3]) / (1 + expected_weight)
         torch.testing.assert_close(layer.values[:, :, 2], blended)
         torch.testing.assert_close(layer.log_weight[0, :, 2], torch.full((2,), math.log(1 + expected_weight)))
@@ -376,4 +376,4 @@ def test_attention_weighting_needs_the_state_it_reads():
     evicted = layer.evicted(torch.tensor([3]).expand(1, 2, 1), torch.ones(1, 1, dtype=torch.bool))
     layer.keep(torch.tensor([0, 1, 2, 5, 6, 7, 8]).expand(1, 2, 7), torch.ones(1, 7, dtype=torch.bool))
     with pytest.raises(D2OError, match="slot state 'votes'"):
-        SimilarityMerge(weighting="attention").merge(layer, evicted)
+        SimilarityMerge(weighting="attention").merge([layer], [evicted])

@@ -217,7 +217,7 @@ def bench_decode(
     lengths: str = typer.Option("1024,4096", help="Comma-separated prompt lengths in tokens."),
     batch: str = typer.Option("1", help="Comma-separated batch sizes."),
     steps: int = typer.Option(32, help="Decode steps timed per run."),
-    repeats: int = typer.Option(1, help="Alternating repeats (median reported)."),
+    repeats: int = typer.Option(1, help="Runs of --steps steps; the median step of all is reported."),
     model: str = MODEL, shape: Optional[str] = SHAPE, positions: Optional[int] = POSITIONS,
     dtype: str = DTYPE, device: Optional[str] = DEVICE, out: Path = OUT,
 ):
@@ -232,7 +232,8 @@ def bench_decode(
     net, tokenizer = bench_model(model, shape, positions or max(sizes) + steps + 1, dtype, device, names, parsed)
     rows = run(net, tokenizer, names, sizes, batches, parsed, steps, repeats)
     setting = dict(model=shape or model, dtype=dtype, budget=str(parsed), steps=steps, repeats=repeats)
-    emit(rows, f"Decoding: {shape or model}, {dtype}, budget {parsed}, median of {repeats}", "decode", out, setting)
+    emit(rows, f"Decoding: {shape or model}, {dtype}, budget {parsed}, median step of {repeats} x {steps}", "decode",
+         out, setting)
     plots.decode_plots(rows, out)
 
 

@@ -2,13 +2,16 @@
 
 Every (length, batch) cell prefills one prompt once per kind of cache (the stock transformers
 cache for ``full``; one shared prefill forked per method for the others), repeats that row to
-the batch size and times ``steps`` decode steps; methods alternate within each repeat, so drifts
-in machine load hit all alike. The full cache is transformers' own ``DynamicCache`` under its own
-SDPA attention: the baseline a user has without d2o.
+the batch size and times ``steps`` decode steps. On the CPU the methods take their steps in
+turn (the order reversed every step), so a drift in machine load hits every method alike, step by
+step; on a GPU, where timings are steady, each method decodes alone so that the peak memory it
+reports is its own. The full cache is transformers' own ``DynamicCache`` under its own SDPA
+attention: the baseline a user has without d2o.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import statistics
 
@@ -31,18 +34,37 @@ def kv_bytes(cache) -> int:
     return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers if layer.keys is not None)
 
 
-def _time_steps(model, cache, first: Batch, batch: int, steps: int) -> tuple[float, int, int | None]:
-    """Median seconds per decode step of ``batch`` copies of ``first``'s row, the KV bytes held at
-    the end and, on a GPU, the peak of all memory allocated meanwhile (weights included)."""
-    device = first.logits.device
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+def _start(model, cache, first: Batch, batch: int, steps: int) -> Batch:
+    """``batch`` copies of ``first``'s row, on ``cache``, to decode ``steps`` steps."""
     cache.batch_repeat_interleave(batch)
     sequences = [Sequence(None, steps + 1) for _ in range(batch)]
-    decoding = Batch(model, cache, sequences, first.logits.expand(batch, -1), first.positions.expand(batch))
-    decoding.run()
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    return statistics.median(decoding.step_seconds), kv_bytes(cache), peak
+    return Batch(model, cache, sequences, first.logits.expand(batch, -1), first.positions.expand(batch))
+
+
+def _step(model, name: str, run: Batch) -> None:
+    with stock_attention(model) if name == FULL else contextlib.nullcontext():
+        run.step()
+
+
+def _decode(model, runs: dict[str, Batch]) -> dict[str, int | None]:
+    """Decode every method's batch to the end; return each one's peak memory on a GPU (weights
+    included), else None."""
+    device = next(iter(runs.values())).logits.device
+    if device.type != "cuda":
+        order = list(runs)
+        while any(run.sequences for run in runs.values()):
+            for name in order:
+                if runs[name].sequences:
+                    _step(model, name, runs[name])
+            order.reverse()
+        return {name: None for name in runs}
+    peaks = {}
+    for name, run in runs.items():
+        torch.cuda.reset_peak_memory_stats(device)
+        while run.sequences:
+            _step(model, name, run)
+        peaks[name] = torch.cuda.max_memory_allocated(device)
+    return peaks
 
 
 def bench_decode(model, tokenizer, methods: list[str], lengths: list[int], batches: list[int], budget,
@@ -67,20 +89,22 @@ def bench_decode(model, tokenizer, methods: list[str], lengths: list[int], batch
             first = Batch.prefill(model, shared.cache, [ids], [Sequence(None, 1)])
         names = list(policies)
 
-        def run(name: str, batch: int) -> tuple[float, int, int | None]:
+        def start(name: str, batch: int) -> Batch:
             if name == FULL:
                 with stock_attention(model):
-                    return _time_steps(model, copy.deepcopy(stock), stock_first, batch, steps)
-            return _time_steps(model, shared.fork(names.index(name), budget), first, batch, steps)
+                    return _start(model, copy.deepcopy(stock), stock_first, batch, steps)
+            return _start(model, shared.fork(names.index(name), budget), first, batch, steps)
 
         for batch in batches:
-            timings = {name: [] for name in methods}
+            step_seconds = {name: [] for name in methods}
             for _ in range(repeats):
-                for name in methods:
-                    timings[name].append(run(name, batch))
-            seconds = {name: statistics.median(run[0] for run in runs) for name, runs in timings.items()}
-            held = {name: runs[0][1] for name, runs in timings.items()}
-            peak = {name: runs[0][2] for name, runs in timings.items()}
+                runs = {name: start(name, batch) for name in methods}
+                peak = _decode(model, runs)
+                held = {name: kv_bytes(run.cache) for name, run in runs.items()}
+                for name, run in runs.items():
+                    step_seconds[name] += run.step_seconds
+                del runs
+            seconds = {name: statistics.median(values) for name, values in step_seconds.items()}
             for name in methods:
                 row = {"length": n_tokens, "batch": batch, "method": name,
                        "budget": "-" if name == FULL else str(budget),

@@ -122,20 +122,25 @@ def _one_query_attention(query, key, value, kv_valid, new_valid, scaling, reques
     added to the slots' logits."""
     batch, heads, _, dim = query.shape
     kv_heads = key.shape[1]
-    dtype = torch.promote_types(query.dtype, torch.float32)
-    queries = query.to(dtype).view(batch, kv_heads, heads // kv_heads, dim) * scaling
-    scores = torch.matmul(queries, key.to(dtype).transpose(-1, -2))  # (B, G, group, N)
+    dtype = query.dtype if query.dtype == torch.float64 else torch.float32
+    queries = _as(query, dtype).view(batch, kv_heads, heads // kv_heads, dim) * scaling
+    scores = torch.matmul(queries, _as(key, dtype).transpose(-1, -2))  # (B, G, group, N)
     if log_weight is not None:
         scores += log_weight[:, :, None, :]
     if kv_valid is not None:
         scores.masked_fill_(~kv_valid[:, :, None, :], torch.finfo(dtype).min)
     probs = torch.softmax(scores, dim=-1)
-    output = torch.matmul(probs, value.to(dtype)).to(query.dtype).view(batch, 1, heads, value.shape[-1])
-    probs = probs.float()
+    output = _as(torch.matmul(probs, _as(value, dtype)), query.dtype).view(batch, 1, heads, value.shape[-1])
+    probs = _as(probs, torch.float32)
     if new_valid is not None and not bool(new_valid.all()):  # a padding query observes nothing
         probs = probs * new_valid[:, :, None, None]
     return output, AttentionStats(1, column_mass=probs if request.column_mass else None,
                                   window=probs[:, :, :, None, :] if request.window else None)
+
+
+def _as(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor.to(dtype)`` without the call when it has that dtype (a decode step makes ~150)."""
+    return tensor if tensor.dtype == dtype else tensor.to(dtype)
 
 
 class _Grouping:

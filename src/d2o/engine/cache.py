@@ -14,7 +14,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from d2o.budget import UNLIMITED, Budget
-from d2o.engine.policy import Policy
+from d2o.engine.policy import Evicted, Policy
 from d2o.engine.report import CacheReport, LayerReport
 from d2o.engine.selection import evicted_slots, select_kept, select_victim
 from d2o.engine.stats import token_surprisal
@@ -191,18 +191,22 @@ class CompressedCache(Cache):
         bring every other layer over its budget back to it."""
         if not self.layers[0].is_initialized:
             return
-        for layer in self.layers:
-            if layer.window is not None:
-                self._shrink(layer, layer.n_kept.clamp_max(layer.window - 1), NEWEST)
+        windowed = [layer for layer in self.layers if layer.window is not None]
+        if windowed:
+            kept = torch.stack([layer.n_kept for layer in windowed])  # (L, B)
+            windows = torch.tensor([layer.window - 1 for layer in windowed], device=kept.device)
+            self._shrink_layers(windowed, kept, torch.minimum(kept, windows[:, None]), NEWEST)
         if not self.allocated:
             if self.forwards < self.policy.compress_after_forward:
                 return
             self._allocate()
         elif not self.policy.evicts_during_decode:
             return
-        for index in self.compressible:
-            layer = self.layers[index]
-            self._shrink(layer, self._target(layer), self.policy)
+        layers = [self.layers[index] for index in self.compressible]
+        kept = torch.stack([layer.n_kept for layer in layers])
+        limit = self._limit(torch.stack([layer.budget for layer in layers]),
+                            torch.stack([layer.real_seen for layer in layers]))
+        self._shrink_layers(layers, kept, torch.where(limit == UNLIMITED, kept, torch.minimum(limit, kept)), self.policy)
 
     def _allocate(self) -> None:
         prompt = self.layers[0].real_seen
@@ -221,10 +225,14 @@ class CompressedCache(Cache):
     def limit(self, layer: CompressedLayer) -> torch.Tensor:
         """(B,) the layer's budget now: as allocated, never below the floor ``min(seen, min_tokens)``
         of a ratio budget (a row below the floor grows until it reaches it); UNLIMITED stays."""
+        return self._limit(layer.budget, layer.real_seen)
+
+    def _limit(self, budget: torch.Tensor, real_seen: torch.Tensor) -> torch.Tensor:
+        """``limit`` from budgets and tokens seen of any shape (one layer's rows, or every layer's)."""
         if self.budget.ratio is None:
-            return layer.budget
-        floor = layer.real_seen.clamp_max(self.budget.min_tokens)
-        return torch.where(layer.budget == UNLIMITED, layer.budget, torch.maximum(layer.budget, floor))
+            return budget
+        floor = real_seen.clamp_max(self.budget.min_tokens)
+        return torch.where(budget == UNLIMITED, budget, torch.maximum(budget, floor))
 
     def floor_decides(self, layer: CompressedLayer) -> torch.Tensor:
         """(B,) bool: the floor, not the share of the ratio, set the layer's budget."""
@@ -233,37 +241,50 @@ class CompressedCache(Cache):
         floor = layer.real_seen.clamp_max(self.budget.min_tokens)
         return (layer.budget != UNLIMITED) & (layer.budget <= floor)
 
-    def _target(self, layer: CompressedLayer) -> torch.Tensor:
-        kept = layer.n_kept
-        limit = self.limit(layer)
-        return torch.where(limit == UNLIMITED, kept, torch.minimum(limit, kept))
+    def _shrink_layers(self, layers: list[CompressedLayer], kept: torch.Tensor, target: torch.Tensor, chooser) -> None:
+        """Bring each of ``layers`` from ``kept`` to ``target`` tokens per row ((L, B) each), keeping
+        what ``chooser`` (the policy, or the window's rule) scores and protects; then its merge, if it
+        has one, folds what left into what stayed, one call for all the layers (it may decide them
+        together). The counts of every layer are compared at once: one decode step, 30 layers."""
+        excess = kept - target
+        most, fewest = excess.amax(-1).tolist(), excess.amin(-1).tolist()
+        merging = []
+        for layer, row_target, row_excess, n_most, n_fewest in zip(layers, target.unbind(), excess.unbind(), most,
+                                                                     fewest):
+            if n_most > 0:
+                evicted = self._shrink(layer, row_target, row_excess, n_most, n_fewest, chooser)
+                if evicted is not None:
+                    merging.append((layer, evicted))
+        if merging:
+            merged_layers, evicted = zip(*merging)
+            for layer, merged in zip(merged_layers, chooser.merge.merge(list(merged_layers), list(evicted))):
+                layer.merged += merged
 
-    def _shrink(self, layer: CompressedLayer, target: torch.Tensor, chooser) -> None:
-        """Bring ``layer`` down to ``target`` (B,) tokens per row, keeping what ``chooser`` (the
-        policy, or the window's rule) scores and protects; the policy's merge folds the rest in.
+    def _shrink(self, layer: CompressedLayer, target: torch.Tensor, excess: torch.Tensor, most: int, fewest: int,
+                chooser) -> Evicted | None:
+        """Bring ``layer`` down to ``target`` (B,) tokens per row, ``excess`` (B,) fewer than it holds
+        (``most`` and ``fewest`` of them); return what left (copies) when the chooser's merge is to
+        fold it in, else None.
 
-        A decode step evicts one token per row and KV head: its slot is only marked empty, nothing
-        is copied. A larger eviction gathers the kept slots into new tensors."""
-        excess = layer.n_kept - target
-        most = int(excess.max())
-        if most <= 0:
-            return
-        scores, protected = chooser.score(layer).float(), chooser.protected(layer, target)
+        A decode step evicts at most one token per row and KV head: its slot is only marked empty,
+        nothing is copied. A larger eviction gathers the kept slots into new tensors."""
+        scores, protected = chooser.score(layer), chooser.protected(layer, target)
+        if scores.dtype != torch.float32:
+            scores = scores.float()
         merge = chooser.merge
         evicted = None
         if most == 1 and layer.owns_storage:
-            rows = None if int(excess.min()) == 1 else excess > 0
+            rows = None if fewest == 1 else excess > 0
             victim = select_victim(scores, protected, layer.token_index)
             if merge is not None:
-                evicted = layer.evicted(victim[..., None], (excess > 0)[:, None])
+                evicted = layer.evicted(victim, (excess > 0)[:, None], merge.reads)
             layer.drop(victim, rows)
         else:
             keep, keep_valid = select_kept(scores, protected, layer.token_index, target)
             if merge is not None:
-                evicted = layer.evicted(*evicted_slots(layer.valid, keep, keep_valid, target))
+                evicted = layer.evicted(*evicted_slots(layer.valid, keep, keep_valid, target), merge.reads)
             layer.keep(keep, keep_valid)
-        if evicted is not None:
-            layer.merged += merge.merge(layer, evicted)
+        return evicted
 
     # -- inspection ---------------------------------------------------------------------------
     @property

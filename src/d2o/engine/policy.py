@@ -42,16 +42,19 @@ class Evicted:
 class Merge(Protocol):
     """What happens to evicted tokens: folded into the layer's kept slots instead of being dropped."""
 
+    reads: tuple[str, ...]  # the slot states of the evicted tokens it reads (the engine copies only those)
+
     def new_state(self) -> RowState | None:
         """Per-layer state of a new cache (e.g. a merge threshold per row)."""
 
     def report(self, layer: CompressedLayer) -> dict[str, list[Any]]:
         """Per-layer diagnostics, one entry per row."""
 
-    def merge(self, layer: CompressedLayer, evicted: Evicted) -> torch.Tensor:
-        """Fold ``evicted`` into the kept slots of ``layer`` (its keys, values and slot state are
-        the kept tokens only, modified in place); return how many (token, KV head) pairs were
-        merged, per row (B,)."""
+    def merge(self, layers: list[CompressedLayer], evicted: list[Evicted]) -> list[torch.Tensor]:
+        """Fold ``evicted[i]`` into the kept slots of ``layers[i]`` (their keys, values and slot
+        state are the kept tokens only, modified in place), for the layers one compression evicted
+        from (a decode step: every layer, one token per row and KV head); return, per layer, how
+        many (token, KV head) pairs were merged, per row (B,)."""
 
 
 class Policy(Protocol):

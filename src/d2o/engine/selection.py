@@ -32,12 +32,12 @@ def select_kept(
 
 def select_victim(scores: torch.Tensor, protected: torch.Tensor, token_index: torch.Tensor) -> torch.Tensor:
     """Per row and KV head, the one slot ``select_kept`` leaves out when it keeps all valid slots
-    but one: the lowest-scoring valid unprotected slot, the older token among equal scores. (B, G)."""
+    but one: the lowest-scoring valid unprotected slot, the older token among equal scores. (B, G, 1)."""
     empty = token_index < 0
     ranked = scores.masked_fill(protected | empty, float("inf"))
     lowest = ranked.amin(-1, keepdim=True)
     older_first = token_index.masked_fill((ranked != lowest) | empty, torch.iinfo(token_index.dtype).max)
-    return older_first.argmin(-1)
+    return older_first.argmin(-1, keepdim=True)
 
 
 def evicted_slots(
@@ -56,13 +56,25 @@ def evicted_slots(
     return order, evict_valid
 
 
+def slot_rows(slots: torch.Tensor, n_slots: int) -> torch.Tensor:
+    """The slots (B, G, K) of a (B, G, ``n_slots``, ...) tensor as rows of its (B * G * n_slots, ...)
+    view: one index for every tensor of a layer (keys, values, each slot state)."""
+    batch, heads = slots.shape[:2]
+    offsets = torch.arange(batch * heads, device=slots.device).view(batch, heads, 1) * n_slots
+    return (slots + offsets).flatten()
+
+
+def take_rows(tensor: torch.Tensor, rows: torch.Tensor, slots_shape: torch.Size) -> torch.Tensor:
+    """``tensor`` (B, G, N, ...) at the ``slot_rows`` ``rows``: a copy (B, G, K, ...)."""
+    batch, heads, n_slots = tensor.shape[:3]
+    picked = tensor.reshape(batch * heads * n_slots, -1).index_select(0, rows)
+    return picked.view(*slots_shape, *tensor.shape[3:])
+
+
 def take_slots(tensor: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """``tensor`` (B, G, N, ...) at ``slots`` (B, G, K) per row and head: a copy (B, G, K, ...).
 
     One ``index_select`` over flattened (row, head, slot) rows copies each slot's trailing
     values as a block; ``gather`` would need an index as large as the result.
     """
-    batch, heads, n_slots = tensor.shape[:3]
-    offsets = torch.arange(batch * heads, device=slots.device).view(batch, heads, 1) * n_slots
-    rows = tensor.reshape(batch * heads * n_slots, -1).index_select(0, (slots + offsets).flatten())
-    return rows.view(*slots.shape, *tensor.shape[3:])
+    return take_rows(tensor, slot_rows(slots, tensor.shape[2]), slots.shape)

@@ -25,7 +25,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from d2o.engine.policy import Evicted
-from d2o.engine.selection import take_slots
+from d2o.engine.selection import slot_rows, take_rows, take_slots
 from d2o.errors import D2OError
 
 if TYPE_CHECKING:
@@ -91,6 +91,11 @@ def _state(layer: CompressedLayer, name: str, example: torch.Tensor) -> torch.Te
     return example.new_zeros((*layer.token_index.shape, *example.shape[3:]))
 
 
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    """A (B, G, N, ...) tensor as (B * G * N, rest): a view, so writes into it land in ``tensor``."""
+    return tensor.view(tensor.shape[0] * tensor.shape[1] * tensor.shape[2], -1)
+
+
 def _map_field(value, fn):
     if isinstance(value, torch.Tensor):
         return fn(value)
@@ -132,13 +137,13 @@ class CompressedLayer(CacheLayerMixin):
         self.merged: torch.Tensor | None = None  # (B,) evicted (token, KV head) pairs merged so far
         self.pending = 0  # tokens appended by `update` that the attention hook has not admitted yet
         self.written: torch.Tensor | None = None  # (B, G, 1): where `update` wrote a token in place
-        self.holes: torch.Tensor | None = None  # (B, G): slots the last eviction emptied in every row
+        self.holes: torch.Tensor | None = None  # (B, G, 1): slots the last eviction emptied in every row
         # False when the layer never evicts by its policy's scores (a sliding-window layer, or once
         # allocated a layer that can never evict): its statistics are then not needed.
         self.observing = self.window is None
         # False while the tensors are shared with another cache (a fork): never written in place then.
         self.owns_storage = True
-        self._grid: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._offsets: torch.Tensor | None = None  # (B, G, 1): where each row and head starts in a flat view
 
     # -- transformers' layer interface --------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -168,10 +173,10 @@ class CompressedLayer(CacheLayerMixin):
             free = self.holes if self.holes is not None and self.owns_storage else self.free_slots()
         self.holes = None
         if free is not None:  # one token per row and KV head, into a free slot: nothing is copied
-            rows, heads = self.grid()
-            self.keys[rows, heads, free] = key_states[:, :, 0]
-            self.values[rows, heads, free] = value_states[:, :, 0]
-            self.written = free[..., None]
+            rows = self.rows_of(free)
+            _flat(self.keys).index_copy_(0, rows, key_states.reshape(rows.shape[0], -1))
+            _flat(self.values).index_copy_(0, rows, value_states.reshape(rows.shape[0], -1))
+            self.written = free
         else:
             self.keys = torch.cat([self.keys, key_states], dim=-2)
             self.values = torch.cat([self.values, value_states], dim=-2)
@@ -181,22 +186,25 @@ class CompressedLayer(CacheLayerMixin):
         return self.keys, self.values
 
     def free_slots(self) -> torch.Tensor | None:
-        """(B, G): the first empty slot of every row and KV head, or None if one has none (or the
+        """(B, G, 1): the first empty slot of every row and KV head, or None if one has none (or the
         tensors are shared with another cache)."""
         if not self.owns_storage:
             return None
         free = self.token_index < 0
         if not bool(free.any(-1).all()):
             return None
-        return free.to(torch.uint8).argmax(-1)
+        return free.to(torch.uint8).argmax(-1, keepdim=True)
 
-    def grid(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Row and KV-head indices (B, 1) and (1, G), to index one slot per row and head."""
-        batch, heads = self.token_index.shape[:2]
-        if self._grid is None or self._grid[0].shape[0] != batch or self._grid[1].shape[1] != heads:
-            device = self.token_index.device
-            self._grid = (torch.arange(batch, device=device)[:, None], torch.arange(heads, device=device)[None, :])
-        return self._grid
+    def rows_of(self, slots: torch.Tensor) -> torch.Tensor:
+        """The slots (B, G, K) as rows of the layer's tensors viewed flat, (B * G * N, ...): one
+        index for keys, values, token indices and every slot state (``index_select``/``index_copy_``
+        on it cost a few microseconds; a decode step makes ~10 per layer)."""
+        batch, heads, n_slots = self.token_index.shape
+        if self._offsets is None or self._offsets.shape[:2] != (batch, heads) or self._offsets_width != n_slots:
+            self._offsets = slot_rows(torch.zeros((batch, heads, 1), dtype=torch.long, device=self.device),
+                                      n_slots).view(batch, heads, 1)
+            self._offsets_width = n_slots
+        return (slots + self._offsets).flatten()
 
     def fresh_slots(self, q: int) -> torch.Tensor:
         """(B, G, q): the slots of the tokens the last pass added."""
@@ -290,19 +298,18 @@ class CompressedLayer(CacheLayerMixin):
         q = self.pending
         batch, heads = self.keys.shape[:2]
         if new_valid is None:
-            index = self.real_seen[:, None] + torch.arange(q, device=self.real_seen.device)
+            index = self.real_seen[:, None] if q == 1 else self.real_seen[:, None] + torch.arange(q, device=self.device)
             added = q
         else:
             index = (self.real_seen[:, None] + new_valid.long().cumsum(-1) - 1).masked_fill(~new_valid, -1)
             added = new_valid.sum(-1)
         if self.written is not None:
-            row_index, head_index = self.grid()
-            slot = self.written[..., 0]
-            self.token_index[row_index, head_index, slot] = index
+            rows = self.rows_of(self.written)
+            self.token_index.view(-1).index_copy_(0, rows, index.expand(batch, heads).flatten())
             for state in self.slot_state.values():
-                state[row_index, head_index, slot] = 0
+                _flat(state).index_fill_(0, rows, 0)
             if self.log_weight is not None:
-                self.log_weight[row_index, head_index, slot] = 0
+                self.log_weight.view(-1).index_fill_(0, rows, 0)
         else:
             self.token_index = torch.cat([self.token_index, index[:, None, :].expand(batch, heads, q)], dim=2)
             for name, state in self.slot_state.items():
@@ -345,31 +352,28 @@ class CompressedLayer(CacheLayerMixin):
         weights = 0 if self.log_weight is None else self.log_weight.nbytes
         return self.token_index.nbytes + weights + sum(state.nbytes for state in self.slot_state.values())
 
-    def evicted(self, slots: torch.Tensor, valid: torch.Tensor) -> Evicted:
-        """Copies of what the slots (B, G, E) hold, before they are evicted; ``valid`` (B, E)."""
-        if slots.shape[-1] == 1:  # a decode step's one slot per row and head: plain indexing
-            row_index, head_index = self.grid()
-            one = slots[..., 0]
+    def evicted(self, slots: torch.Tensor, valid: torch.Tensor, states: tuple[str, ...] | None = None) -> Evicted:
+        """Copies of what the slots (B, G, E) hold, before they are evicted; ``valid`` (B, E);
+        ``states``: the slot states to copy (None: all of them)."""
+        rows = self.rows_of(slots)  # one index for every tensor
 
-            def take(tensor: torch.Tensor) -> torch.Tensor:
-                return tensor[row_index, head_index, one].unsqueeze(2)
-        else:
-            def take(tensor: torch.Tensor) -> torch.Tensor:
-                return take_slots(tensor, slots)
+        def take(tensor: torch.Tensor) -> torch.Tensor:
+            return take_rows(tensor, rows, slots.shape)
+
         return Evicted(keys=take(self.keys), values=take(self.values), token_index=take(self.token_index),
-                       valid=valid, slot_state={name: take(state) for name, state in self.slot_state.items()},
+                       valid=valid, slot_state={name: take(state) for name, state in self.slot_state.items()
+                                                if states is None or name in states},
                        log_weight=None if self.log_weight is None else take(self.log_weight))
 
     def drop(self, slots: torch.Tensor, rows: torch.Tensor | None) -> None:
-        """Empty the slot ``slots`` (B, G) of every KV head of the rows ``rows`` (B,) bool (None:
+        """Empty the slot ``slots`` (B, G, 1) of every KV head of the rows ``rows`` (B,) bool (None:
         every row), in place: the next token of such a row is written there."""
-        row_index, head_index = self.grid()
+        flat = self.rows_of(slots)
         if rows is None:
-            self.token_index[row_index, head_index, slots] = -1
+            self.token_index.view(-1).index_fill_(0, flat, -1)
             self.holes = slots
         else:
-            current = self.token_index[row_index, head_index, slots]
-            self.token_index[row_index, head_index, slots] = torch.where(rows[:, None], -1, current)
+            self.token_index.view(-1).index_fill_(0, flat[rows[:, None].expand(slots.shape[:2]).flatten()], -1)
 
     def keep(self, keep: torch.Tensor, keep_valid: torch.Tensor) -> None:
         """Shrink to the slots ``keep`` (B, G, K), gathered into new tensors; ``keep_valid`` (B, K)

@@ -26,13 +26,18 @@ class ProminenceMerge:
     def __post_init__(self):
         check(self.span >= 1, "span", self.span, "must be at least 1")
 
+    reads = ("mass",)
+
     def new_state(self) -> None:
         return None
 
     def report(self, layer) -> dict:
         return {}
 
-    def merge(self, layer, evicted: Evicted) -> torch.Tensor:
+    def merge(self, layers: list, evicted: list[Evicted]) -> list[torch.Tensor]:
+        return [self._merge_layer(layer, gone) for layer, gone in zip(layers, evicted)]
+
+    def _merge_layer(self, layer, evicted: Evicted) -> torch.Tensor:
         values = layer.values
         batch, heads, _ = evicted.token_index.shape
         merged = torch.zeros(batch, dtype=torch.long, device=values.device)

@@ -19,6 +19,7 @@ import torch
 
 from d2o.engine.policy import Evicted
 from d2o.engine.stats import CHUNK_ELEMENTS
+from d2o.engine.selection import take_rows
 from d2o.engine.storage import RowState
 from d2o.errors import D2OError
 from d2o.methods.scoring import MASS, VOTES
@@ -94,6 +95,11 @@ class SimilarityMerge:
             if not isinstance(getattr(self, name), bool):
                 raise D2OError(f"{name}={getattr(self, name)!r} must be true or false")
 
+    @property
+    def reads(self) -> tuple[str, ...]:
+        """The slot state of evicted tokens the merge reads: what weighs them by attention."""
+        return (self.attention,) if self.weighting == "attention" else ()
+
     def new_state(self) -> MergeState:
         return MergeState()
 
@@ -106,114 +112,171 @@ class SimilarityMerge:
         most = merges.flatten(1).amax(-1).tolist() if merges is not None and merges.numel() else [0] * rows
         return {"tau": taus, "most_merges_in_a_slot": most}
 
-    def merge(self, layer, evicted: Evicted) -> torch.Tensor:
-        keys, values = layer.keys, layer.values
-        batch, heads, width = evicted.token_index.shape
-        if width == 0:
-            return torch.zeros(batch, dtype=torch.long, device=keys.device)
-        kept_basis, gone_basis = (keys, evicted.keys) if self.on == "key" else (values, evicted.values)
-        best, target = most_similar(gone_basis, kept_basis, self._targets(layer))  # (B, G, E)
-        gone = evicted.valid[:, None, :]  # (B, 1, E)
+    def merge(self, layers: list, evicted: list[Evicted]) -> list[torch.Tensor]:
+        """Fold each layer's evicted tokens into its kept slots. Layers evicting as many tokens per
+        row (every layer of a decode step: one) are decided together, their rows stacked as one
+        batch: the rule is per row, so only the number of tensor operations changes."""
+        merged: list[torch.Tensor | None] = [None] * len(layers)
+        widths: dict[int, list[int]] = {}
+        for i, gone in enumerate(evicted):
+            widths.setdefault(gone.token_index.shape[-1], []).append(i)
+        for width, members in widths.items():
+            if width == 0:
+                for i in members:
+                    merged[i] = torch.zeros(layers[i].keys.shape[0], dtype=torch.long, device=layers[i].keys.device)
+                continue
+            counts = self._merge_stacked([layers[i] for i in members], [evicted[i] for i in members])
+            for i, count in zip(members, counts):
+                merged[i] = count
+        return merged
+
+    def _merge_stacked(self, layers: list, evicted: list[Evicted]) -> list[torch.Tensor]:
+        """``merge`` for layers that evict E tokens per row and KV head each, rows of all stacked."""
+        batch, heads, width = evicted[0].token_index.shape
+        rows = [slice(i * batch, (i + 1) * batch) for i in range(len(layers))]
+
+        def stack(parts: list[torch.Tensor]) -> torch.Tensor:
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+        on = "keys" if self.on == "key" else "values"
+        sources = torch.nn.functional.normalize(_float(stack([getattr(gone, on) for gone in evicted])), dim=-1)
+        similar = [most_similar(normalized, getattr(layer, on), self._barred(layer))
+                   for layer, normalized in zip(layers, sources.split(batch))]
+        best, target = stack([b for b, _ in similar]), stack([t for _, t in similar])  # (L*B, G, E)
+        valid = stack([gone.valid for gone in evicted])  # (L*B, E)
+        gone = valid[:, None, :]
         if self.skip_first or self.skip_newest:  # a token with no slot left to absorb it is just dropped
             gone = gone & (best > NO_TARGET)
 
         # One threshold per row: EMA of the mean best similarity over heads and evicted tokens; a row
         # that evicted nothing keeps its threshold.
-        count = gone.sum((1, 2)) if gone.shape[1] > 1 else evicted.valid.sum(-1) * heads
+        count = gone.sum((1, 2)) if gone.shape[1] > 1 else valid.sum(-1) * heads
         mean_best = (best * gone).sum((1, 2)) / count.clamp_min(1)
-        state = layer.state
-        if state.tau is None:
-            tau = mean_best
-        else:
-            ema = self.alpha * state.tau + (1 - self.alpha) * mean_best
-            tau = torch.where(state.tau.isnan(), mean_best, ema)
-        state.tau = torch.where(count > 0, tau, state.tau if state.tau is not None else math.nan)
-        state.tau_history.append(torch.where(count > 0, tau, math.nan))
+        previous = stack([layer.state.tau if layer.state.tau is not None else mean_best.new_full((batch,), math.nan)
+                          for layer in layers])
+        ema = self.alpha * previous + (1 - self.alpha) * mean_best
+        tau = torch.where(previous.isnan(), mean_best, ema)
+        evicting = count > 0
+        history = torch.where(evicting, tau, math.nan)
+        tau = torch.where(evicting, tau, previous)
+        for layer, row_tau, row_history in zip(layers, tau.split(batch), history.split(batch)):
+            layer.state.tau = row_tau
+            layer.state.tau_history.append(row_history)
 
         if self.decision == "per_head":
-            merged = (best >= state.tau[:, None, None]) & gone
+            merged = (best >= tau[:, None, None]) & gone
         else:
-            merged = ((best * gone).mean(1, keepdim=True) >= state.tau[:, None, None]) & gone
+            merged = ((best * gone).mean(1, keepdim=True) >= tau[:, None, None]) & gone
             merged = merged.expand_as(best)
-        absorbed = layer.slot_state.get(MERGES)
-        if absorbed is None:
-            absorbed = layer.slot_state[MERGES] = torch.zeros(keys.shape[:3], dtype=torch.int32, device=keys.device)
+        absorbed = [layer.slot_state.get(MERGES) for layer in layers]
+        for i, layer in enumerate(layers):
+            if absorbed[i] is None:
+                absorbed[i] = layer.slot_state[MERGES] = torch.zeros(layer.keys.shape[:3], dtype=torch.int32,
+                                                                     device=layer.keys.device)
         if self.max_merges is not None:
-            merged = merged & (absorbed.gather(2, target) + rank_within_target(target, merged, best) < self.max_merges)
-        self._fold(layer, evicted, best, target, merged)
-        absorbed.scatter_add_(2, target, merged.int())
-        return merged.sum((1, 2))
+            already = stack([slots.gather(2, target[row]) for slots, row in zip(absorbed, rows)])
+            merged = merged & (already + rank_within_target(target, merged, best) < self.max_merges)
+        self._fold(layers, evicted, rows, best, target, merged)
+        for slots, row_target, row_merged in zip(absorbed, target.split(batch), merged.int().split(batch)):
+            slots.scatter_add_(2, row_target, row_merged)
+        return list(merged.sum((1, 2)).split(batch))
 
-    def _targets(self, layer) -> torch.Tensor:
-        """(B, G, N) bool: the kept slots that may absorb evicted tokens."""
-        eligible = layer.valid
-        if self.skip_first:
-            eligible = eligible & (layer.token_index >= self.skip_first)
+    def _barred(self, layer) -> torch.Tensor:
+        """(B, G, N) bool: the slots that may not absorb evicted tokens: empty ones (index -1), the
+        first ``skip_first`` tokens, the newest ``skip_newest``."""
+        barred = layer.token_index < self.skip_first if self.skip_first else layer.token_index < 0
         if self.skip_newest:
-            eligible = eligible & (layer.token_index < (layer.real_seen - self.skip_newest)[:, None, None])
-        return eligible
+            barred = barred | (layer.token_index >= (layer.real_seen - self.skip_newest)[:, None, None])
+        return barred
 
-    def _fold(self, layer, evicted: Evicted, best, target, merged) -> None:
-        """Write the merged vectors (and, with ``mass``, the slots' new weights) into the layer.
+    def _fold(self, layers: list, evicted: list[Evicted], rows: list[slice], best, target, merged) -> None:
+        """Write the merged vectors (and, with ``mass``, the slots' new weights) into the layers.
 
         A kept slot c receiving tokens becomes (w_c * c + sum_e w_e * e) / (d_c + sum_e d_e), with the
-        weights w and denominators d of ``weighting``; the others are left exactly as they are.
+        weights w and denominators d of ``weighting``; the others are left exactly as they are. The
+        weights are computed for the stacked rows of all ``layers`` at once (``rows``: each one's).
         """
-        keys, values = layer.keys, layer.values
-        if self.weighting in ("count", "attention") or self.mass:
-            kept_count = layer.weights().exp()  # (B, G, N) tokens each slot stands for
-            gone_count = evicted.log_weight.exp() if evicted.log_weight is not None else torch.ones_like(best)
+        def stack(parts: list[torch.Tensor]) -> torch.Tensor:
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+        counted = self.weighting in ("count", "attention") or self.mass
+        if counted:  # tokens each kept target and each evicted token stands for
+            kept_count = stack([layer.weights().gather(2, target[row]) for layer, row in zip(layers, rows)]).exp()
+            gone_count = stack([gone.log_weight.exp() if gone.log_weight is not None else torch.ones_like(best[row])
+                                for gone, row in zip(evicted, rows)])
         if self.weighting == "paper":
             self_weight, source_weight = math.e, best.exp()
         elif self.weighting == "count":
             self_weight, source_weight = kept_count, gone_count
         elif self.weighting == "attention":
-            kept_attention = self._attention(layer, layer.slot_state, layer.token_index).gather(2, target)
-            gone_attention = self._attention(layer, evicted.slot_state, evicted.token_index)
-            expected = kept_count.gather(2, target) * gone_attention / kept_attention.clamp_min(NORM_EPS)
+            kept_attention = stack([self._attention(layer.slot_state, layer.token_index, layer.real_seen)
+                                    .gather(2, target[row]) for layer, row in zip(layers, rows)])
+            gone_attention = stack([self._attention(gone.slot_state, gone.token_index, layer.real_seen)
+                                    for layer, gone in zip(layers, evicted)])
+            expected = kept_count * gone_attention / kept_attention.clamp_min(NORM_EPS)
             self_weight, source_weight = kept_count, torch.minimum(gone_count, expected)
         else:
             self_weight, source_weight = 1.0, best
         source_weight = torch.where(merged, source_weight, 0.0)
         counts = merged.float() if self.weighting == "official" else source_weight
-        parts = ((values, evicted.values),) if self.values_only else ((keys, evicted.keys), (values, evicted.values))
         if target.shape[-1] == 1:  # a decode step: at most one evicted token per row and head, so one target
             # As shares of the denominator: a slot that absorbs nothing keeps exactly 1 x itself + 0.
-            row_index, head_index = layer.grid()
-            slot = target[..., 0]
-            own = self_weight if isinstance(self_weight, float) else self_weight[row_index, head_index, slot]
-            denominator = own + counts[..., 0]
-            own_share, source_share = (own / denominator)[..., None], (source_weight[..., 0] / denominator)[..., None]
-            for kept, sources in parts:
-                current = kept[row_index, head_index, slot].float()
-                blended = torch.addcmul(current * own_share, sources[:, :, 0].float(), source_share)
-                kept[row_index, head_index, slot] = blended.to(kept.dtype)
+            denominator = self_weight + counts
+            own_share, source_share = (self_weight / denominator)[..., None], (source_weight / denominator)[..., None]
+            batch = target.shape[0] // len(layers)
+            slots = target.split(batch)
+            flat = [layer.rows_of(slot) for layer, slot in zip(layers, slots)]  # rows of the flat (B*G*N, D) views
+            for part in ("values",) if self.values_only else ("keys", "values"):
+                stored = [getattr(layer, part) for layer in layers]
+                current = _float(stack([take_rows(kept, index, slot.shape) for kept, index, slot in zip(stored, flat, slots)]))
+                sources = _float(stack([getattr(gone, part) for gone in evicted]))
+                blended = torch.addcmul(current * own_share, sources, source_share).to(stored[0].dtype)
+                for kept, index, new in zip(stored, flat, blended.split(batch)):
+                    kept.view(-1, kept.shape[-1]).index_copy_(0, index, new.view(-1, kept.shape[-1]))
         else:
-            received = torch.zeros(keys.shape[:3], dtype=torch.int32, device=keys.device)
-            received.scatter_add_(2, target, merged.int())
-            own = torch.full(keys.shape[:3], self_weight, device=keys.device) if isinstance(self_weight, float) \
-                else self_weight
-            denominator = own.clone().scatter_add_(2, target, counts)
-            for kept, sources in parts:
-                numerator = kept.float() * own[..., None]
-                contribution = sources.float() * source_weight[..., None]
-                numerator.scatter_add_(2, target[..., None].expand_as(contribution), contribution)
-                kept.copy_(torch.where(received[..., None] > 0, numerator / denominator[..., None], kept.float()))
+            for layer, gone, row in zip(layers, evicted, rows):
+                self._fold_many(layer, gone, target[row], merged[row], source_weight[row], counts[row])
         if self.mass:  # a slot's weight: the tokens it now stands for (as much of them as its attention says)
-            stands_for = source_weight if self.weighting == "attention" else gone_count
-            added = torch.zeros_like(kept_count).scatter_add_(2, target, torch.where(merged, stands_for, 0.0))
-            layer.log_weight = torch.where(added > 0, (kept_count + added).log(), layer.log_weight)
+            stands_for = torch.where(merged, source_weight if self.weighting == "attention" else gone_count, 0.0)
+            for layer, row in zip(layers, rows):
+                weights, slots = layer.weights(), target[row]
+                added = torch.zeros_like(weights).scatter_add_(2, slots, stands_for[row])
+                layer.log_weight = torch.where(added > 0, (weights.exp() + added).log(), weights)
 
+    def _fold_many(self, layer, evicted: Evicted, target, merged, source_weight, counts) -> None:
+        """The fold of one layer evicting several tokens per row and head (several may share a target)."""
+        keys = layer.keys
+        received = torch.zeros(keys.shape[:3], dtype=torch.int32, device=keys.device)
+        received.scatter_add_(2, target, merged.int())
+        if self.weighting == "paper":
+            own = torch.full(keys.shape[:3], math.e, device=keys.device)
+        elif self.weighting in ("count", "attention"):
+            own = layer.weights().exp()
+        else:
+            own = torch.full(keys.shape[:3], 1.0, device=keys.device)
+        denominator = own.clone().scatter_add_(2, target, counts)
+        parts = ((layer.values, evicted.values),) if self.values_only else \
+            ((keys, evicted.keys), (layer.values, evicted.values))
+        for kept, sources in parts:
+            numerator = kept.float() * own[..., None]
+            contribution = sources.float() * source_weight[..., None]
+            numerator.scatter_add_(2, target[..., None].expand_as(contribution), contribution)
+            kept.copy_(torch.where(received[..., None] > 0, numerator / denominator[..., None], kept.float()))
 
-    def _attention(self, layer, slot_state: dict, token_index: torch.Tensor) -> torch.Tensor:
+    def _attention(self, slot_state: dict, token_index: torch.Tensor, real_seen: torch.Tensor) -> torch.Tensor:
         """(B, G, n) the attention the slots of ``slot_state`` received, as ``attention`` says."""
         if self.attention not in slot_state:
             raise D2OError(f"weighting='attention' reads the attention each slot received from its slot state "
                            f"{self.attention!r}, which this method's scoring does not keep")
         if self.attention == VOTES:
             return slot_state[VOTES].float()
-        queries_seen = (layer.real_seen[:, None, None] - token_index).clamp_min(1)
+        queries_seen = (real_seen[:, None, None] - token_index).clamp_min(1)
         return slot_state[MASS].float().sum(-1) / queries_seen
+
+
+def _float(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor.float()``, without the call when it is float32 already (a decode step makes ~30 per layer)."""
+    return tensor if tensor.dtype == torch.float32 else tensor.float()
 
 
 def rank_within_target(target: torch.Tensor, merged: torch.Tensor, best: torch.Tensor) -> torch.Tensor:
@@ -230,24 +293,23 @@ def rank_within_target(target: torch.Tensor, merged: torch.Tensor, best: torch.T
     return torch.empty_like(rank).scatter_(-1, order, rank)
 
 
-def most_similar(sources: torch.Tensor, targets: torch.Tensor, target_valid: torch.Tensor):
-    """Best cosine similarity of each source (B, G, E, D) with a valid target (B, G, K, D) (validity
-    per KV head, (B, G, K)), and its index.
+def most_similar(sources: torch.Tensor, targets: torch.Tensor, barred: torch.Tensor):
+    """Best cosine similarity of each source (B, G, E, D), normalised already, with a target
+    (B, G, K, D) that is not ``barred`` (per KV head, (B, G, K)), and its index.
 
     The targets are the whole kept cache, at every decode step: their dot products with the
-    normalised sources are divided by their norms rather than normalising them, so they are read
-    twice and never copied."""
-    sources = torch.nn.functional.normalize(sources.float(), dim=-1)
-    targets = targets.float()
+    sources are divided by their norms rather than normalising them, so they are read twice and
+    never copied."""
+    targets = _float(targets)
     target_scale = torch.linalg.vector_norm(targets, dim=-1).clamp_min_(NORM_EPS).reciprocal_()[:, :, None, :]
     targets_t = targets.transpose(-1, -2)
-    invalid = ~target_valid[:, :, None, :]  # scored NO_TARGET: below any cosine similarity
+    barred = barred[:, :, None, :]  # scored NO_TARGET: below any cosine similarity
     batch, heads, n_sources, _ = sources.shape
     chunk = max(1, CHUNK_ELEMENTS // max(1, batch * heads * targets.shape[2]))
     best, index = [], []
-    for start in range(0, n_sources, chunk):
-        similarity = torch.matmul(sources[:, :, start : start + chunk], targets_t).mul_(target_scale)
-        values, indices = similarity.masked_fill_(invalid, NO_TARGET).max(dim=-1)
+    for part in (sources,) if n_sources <= chunk else sources.split(chunk, dim=2):
+        similarity = torch.matmul(part, targets_t).mul_(target_scale)
+        values, indices = similarity.masked_fill_(barred, NO_TARGET).max(dim=-1)
         best.append(values)
         index.append(indices)
     if len(best) == 1:
