@@ -6,7 +6,7 @@ set -euo pipefail
 OUT=${1:-docs/benchmarks}
 D2O=${D2O:-.venv/bin/d2o}
 $D2O bench decode --methods full,h2o,snapkv,streamingllm,d2o,d2o-plus --lengths 1024,4096,8000 --batch 1,8 \
-  --steps 16 --out "$OUT/decode"
+  --steps 32 --out "$OUT/decode"
 $D2O bench decode --methods full,d2o --lengths 1024,4096 --batch 16 --steps 16 --out "$OUT/decode-batch16"
 # A cap that holds 4 full sequences of 2048 + 512 tokens (30 layers x 2560 tokens x 1536 bytes each).
 $D2O bench fit --kv-memory 472MB --prompt 2048 --generate 512 --methods full,h2o,d2o,d2o-plus --out "$OUT/fit"

@@ -377,3 +377,40 @@ def test_attention_weighting_needs_the_state_it_reads():
     layer.keep(torch.tensor([0, 1, 2, 5, 6, 7, 8]).expand(1, 2, 7), torch.ones(1, 7, dtype=torch.bool))
     with pytest.raises(D2OError, match="slot state 'votes'"):
         SimilarityMerge(weighting="attention").merge([layer], [evicted])
+
+
+@pytest.mark.parametrize("merge", [
+    SimilarityMerge(),
+    SimilarityMerge(weighting="official", decision="mean_over_heads"),
+    SimilarityMerge(values_only=True, mass=True, weighting="count", skip_first=1, skip_newest=1, max_merges=1),
+])
+def test_layers_merged_in_one_call_equal_each_merged_alone(merge):
+    """A decode step hands every layer to one merge call, which stacks their rows: each layer must
+    end exactly as a call of its own leaves it (vectors, weights, thresholds, counts)."""
+    batch, heads, n, dim = 2, 3, 10, 8
+
+    def evicting_layers():
+        made = []
+        for i in range(3):
+            draw = torch.Generator().manual_seed(i)
+            layer = make_layer(torch.randn(batch, heads, n, dim, generator=draw),
+                               torch.randn(batch, heads, n, dim, generator=draw))
+            layer.real_seen = torch.full((batch,), n)
+            layer.state = MergeState(tau=None if i == 0 else torch.tensor([0.1, math.nan]))
+            victim = torch.randint(0, n, (batch, heads, 1), generator=draw)
+            evicting = torch.tensor([True, i != 1])  # row 1 of layer 1 evicts nothing
+            evicted = layer.evicted(victim, evicting[:, None])
+            layer.drop(victim, None if bool(evicting.all()) else evicting)
+            made.append((layer, evicted))
+        return made
+
+    together, alone = evicting_layers(), evicting_layers()
+    counts = merge.merge([layer for layer, _ in together], [gone for _, gone in together])
+    for (joint, _), (single, gone), count in zip(together, alone, counts):
+        assert torch.equal(merge.merge([single], [gone])[0], count)
+        assert torch.equal(joint.keys, single.keys) and torch.equal(joint.values, single.values)
+        torch.testing.assert_close(joint.state.tau, single.state.tau, rtol=0, atol=0, equal_nan=True)
+        assert torch.equal(joint.slot_state["merges"], single.slot_state["merges"])
+        if merge.mass:
+            assert torch.equal(joint.log_weight, single.log_weight)
+    assert sum(int(count.sum()) for count in counts) > 0  # something was merged

@@ -206,7 +206,8 @@ class CompressedCache(Cache):
         kept = torch.stack([layer.n_kept for layer in layers])
         limit = self._limit(torch.stack([layer.budget for layer in layers]),
                             torch.stack([layer.real_seen for layer in layers]))
-        self._shrink_layers(layers, kept, torch.where(limit == UNLIMITED, kept, torch.minimum(limit, kept)), self.policy)
+        target = torch.where(limit == UNLIMITED, kept, torch.minimum(limit, kept))
+        self._shrink_layers(layers, kept, target, self.policy)
 
     def _allocate(self) -> None:
         prompt = self.layers[0].real_seen
@@ -243,9 +244,11 @@ class CompressedCache(Cache):
 
     def _shrink_layers(self, layers: list[CompressedLayer], kept: torch.Tensor, target: torch.Tensor, chooser) -> None:
         """Bring each of ``layers`` from ``kept`` to ``target`` tokens per row ((L, B) each), keeping
-        what ``chooser`` (the policy, or the window's rule) scores and protects; then its merge, if it
-        has one, folds what left into what stayed, one call for all the layers (it may decide them
-        together). The counts of every layer are compared at once: one decode step, 30 layers."""
+        what ``chooser`` (the policy, or the window's rule) scores and protects; its merge, if it has
+        one, folds what left into what stayed. The layers of a decode step (one token each per row and
+        KV head) go to the merge in one call, which may decide them together; a larger eviction (the
+        prefill's) is merged as soon as its layer is shrunk, so that one layer's copies are held at a
+        time. The counts of every layer are compared at once."""
         excess = kept - target
         most, fewest = excess.amax(-1).tolist(), excess.amin(-1).tolist()
         merging = []
@@ -253,8 +256,10 @@ class CompressedCache(Cache):
                                                                      fewest):
             if n_most > 0:
                 evicted = self._shrink(layer, row_target, row_excess, n_most, n_fewest, chooser)
-                if evicted is not None:
+                if evicted is not None and n_most == 1:
                     merging.append((layer, evicted))
+                elif evicted is not None:
+                    layer.merged += chooser.merge.merge([layer], [evicted])[0]
         if merging:
             merged_layers, evicted = zip(*merging)
             for layer, merged in zip(merged_layers, chooser.merge.merge(list(merged_layers), list(evicted))):

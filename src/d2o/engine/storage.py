@@ -144,6 +144,7 @@ class CompressedLayer(CacheLayerMixin):
         # False while the tensors are shared with another cache (a fork): never written in place then.
         self.owns_storage = True
         self._offsets: torch.Tensor | None = None  # (B, G, 1): where each row and head starts in a flat view
+        self._offsets_width = 0  # the slots per row and head those offsets were made for
 
     # -- transformers' layer interface --------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:

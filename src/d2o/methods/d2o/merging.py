@@ -135,15 +135,12 @@ class SimilarityMerge:
         batch, heads, width = evicted[0].token_index.shape
         rows = [slice(i * batch, (i + 1) * batch) for i in range(len(layers))]
 
-        def stack(parts: list[torch.Tensor]) -> torch.Tensor:
-            return parts[0] if len(parts) == 1 else torch.cat(parts)
-
         on = "keys" if self.on == "key" else "values"
-        sources = torch.nn.functional.normalize(_float(stack([getattr(gone, on) for gone in evicted])), dim=-1)
+        sources = torch.nn.functional.normalize(_float(_stack([getattr(gone, on) for gone in evicted])), dim=-1)
         similar = [most_similar(normalized, getattr(layer, on), self._barred(layer))
                    for layer, normalized in zip(layers, sources.split(batch))]
-        best, target = stack([b for b, _ in similar]), stack([t for _, t in similar])  # (L*B, G, E)
-        valid = stack([gone.valid for gone in evicted])  # (L*B, E)
+        best, target = _stack([b for b, _ in similar]), _stack([t for _, t in similar])  # (L*B, G, E)
+        valid = _stack([gone.valid for gone in evicted])  # (L*B, E)
         gone = valid[:, None, :]
         if self.skip_first or self.skip_newest:  # a token with no slot left to absorb it is just dropped
             gone = gone & (best > NO_TARGET)
@@ -152,7 +149,7 @@ class SimilarityMerge:
         # that evicted nothing keeps its threshold.
         count = gone.sum((1, 2)) if gone.shape[1] > 1 else valid.sum(-1) * heads
         mean_best = (best * gone).sum((1, 2)) / count.clamp_min(1)
-        previous = stack([layer.state.tau if layer.state.tau is not None else mean_best.new_full((batch,), math.nan)
+        previous = _stack([layer.state.tau if layer.state.tau is not None else mean_best.new_full((batch,), math.nan)
                           for layer in layers])
         ema = self.alpha * previous + (1 - self.alpha) * mean_best
         tau = torch.where(previous.isnan(), mean_best, ema)
@@ -174,7 +171,7 @@ class SimilarityMerge:
                 absorbed[i] = layer.slot_state[MERGES] = torch.zeros(layer.keys.shape[:3], dtype=torch.int32,
                                                                      device=layer.keys.device)
         if self.max_merges is not None:
-            already = stack([slots.gather(2, target[row]) for slots, row in zip(absorbed, rows)])
+            already = _stack([slots.gather(2, target[row]) for slots, row in zip(absorbed, rows)])
             merged = merged & (already + rank_within_target(target, merged, best) < self.max_merges)
         self._fold(layers, evicted, rows, best, target, merged)
         for slots, row_target, row_merged in zip(absorbed, target.split(batch), merged.int().split(batch)):
@@ -196,22 +193,19 @@ class SimilarityMerge:
         weights w and denominators d of ``weighting``; the others are left exactly as they are. The
         weights are computed for the stacked rows of all ``layers`` at once (``rows``: each one's).
         """
-        def stack(parts: list[torch.Tensor]) -> torch.Tensor:
-            return parts[0] if len(parts) == 1 else torch.cat(parts)
-
         counted = self.weighting in ("count", "attention") or self.mass
         if counted:  # tokens each kept target and each evicted token stands for
-            kept_count = stack([layer.weights().gather(2, target[row]) for layer, row in zip(layers, rows)]).exp()
-            gone_count = stack([gone.log_weight.exp() if gone.log_weight is not None else torch.ones_like(best[row])
+            kept_count = _stack([layer.weights().gather(2, target[row]) for layer, row in zip(layers, rows)]).exp()
+            gone_count = _stack([gone.log_weight.exp() if gone.log_weight is not None else torch.ones_like(best[row])
                                 for gone, row in zip(evicted, rows)])
         if self.weighting == "paper":
             self_weight, source_weight = math.e, best.exp()
         elif self.weighting == "count":
             self_weight, source_weight = kept_count, gone_count
         elif self.weighting == "attention":
-            kept_attention = stack([self._attention(layer.slot_state, layer.token_index, layer.real_seen)
+            kept_attention = _stack([self._attention(layer.slot_state, layer.token_index, layer.real_seen)
                                     .gather(2, target[row]) for layer, row in zip(layers, rows)])
-            gone_attention = stack([self._attention(gone.slot_state, gone.token_index, layer.real_seen)
+            gone_attention = _stack([self._attention(gone.slot_state, gone.token_index, layer.real_seen)
                                     for layer, gone in zip(layers, evicted)])
             expected = kept_count * gone_attention / kept_attention.clamp_min(NORM_EPS)
             self_weight, source_weight = kept_count, torch.minimum(gone_count, expected)
@@ -228,8 +222,9 @@ class SimilarityMerge:
             flat = [layer.rows_of(slot) for layer, slot in zip(layers, slots)]  # rows of the flat (B*G*N, D) views
             for part in ("values",) if self.values_only else ("keys", "values"):
                 stored = [getattr(layer, part) for layer in layers]
-                current = _float(stack([take_rows(kept, index, slot.shape) for kept, index, slot in zip(stored, flat, slots)]))
-                sources = _float(stack([getattr(gone, part) for gone in evicted]))
+                current = _float(_stack([take_rows(kept, index, slot.shape)
+                                         for kept, index, slot in zip(stored, flat, slots)]))
+                sources = _float(_stack([getattr(gone, part) for gone in evicted]))
                 blended = torch.addcmul(current * own_share, sources, source_share).to(stored[0].dtype)
                 for kept, index, new in zip(stored, flat, blended.split(batch)):
                     kept.view(-1, kept.shape[-1]).index_copy_(0, index, new.view(-1, kept.shape[-1]))
@@ -272,6 +267,11 @@ class SimilarityMerge:
             return slot_state[VOTES].float()
         queries_seen = (real_seen[:, None, None] - token_index).clamp_min(1)
         return slot_state[MASS].float().sum(-1) / queries_seen
+
+
+def _stack(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Per-layer tensors (B, ...) as the rows of one (L * B, ...)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _float(tensor: torch.Tensor) -> torch.Tensor:
