@@ -20,7 +20,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
 from d2o.engine.cache import CompressedCache
-from d2o.engine.stats import AttentionStats, allowed_keys, attention_stats
+from d2o.engine.stats import AttentionStats, allowed_keys, as_dtype, attention_stats
 from d2o.engine.storage import claim_active_layer
 from d2o.errors import D2OError
 
@@ -123,24 +123,20 @@ def _one_query_attention(query, key, value, kv_valid, new_valid, scaling, reques
     batch, heads, _, dim = query.shape
     kv_heads = key.shape[1]
     dtype = query.dtype if query.dtype == torch.float64 else torch.float32
-    queries = _as(query, dtype).view(batch, kv_heads, heads // kv_heads, dim) * scaling
-    scores = torch.matmul(queries, _as(key, dtype).transpose(-1, -2))  # (B, G, group, N)
+    queries = as_dtype(query, dtype).view(batch, kv_heads, heads // kv_heads, dim) * scaling
+    scores = torch.matmul(queries, as_dtype(key, dtype).transpose(-1, -2))  # (B, G, group, N)
     if log_weight is not None:
         scores += log_weight[:, :, None, :]
     if kv_valid is not None:
         scores.masked_fill_(~kv_valid[:, :, None, :], torch.finfo(dtype).min)
     probs = torch.softmax(scores, dim=-1)
-    output = _as(torch.matmul(probs, _as(value, dtype)), query.dtype).view(batch, 1, heads, value.shape[-1])
-    probs = _as(probs, torch.float32)
+    output = as_dtype(torch.matmul(probs, as_dtype(value, dtype)), query.dtype)
+    output = output.view(batch, 1, heads, value.shape[-1])
+    probs = as_dtype(probs, torch.float32)
     if new_valid is not None and not bool(new_valid.all()):  # a padding query observes nothing
         probs = probs * new_valid[:, :, None, None]
     return output, AttentionStats(1, column_mass=probs if request.column_mass else None,
                                   window=probs[:, :, :, None, :] if request.window else None)
-
-
-def _as(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``tensor.to(dtype)`` without the call when it has that dtype (a decode step makes ~150)."""
-    return tensor if tensor.dtype == dtype else tensor.to(dtype)
 
 
 class _Grouping:

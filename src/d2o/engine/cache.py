@@ -254,12 +254,15 @@ class CompressedCache(Cache):
         merging = []
         for layer, row_target, row_excess, n_most, n_fewest in zip(layers, target.unbind(), excess.unbind(), most,
                                                                      fewest):
-            if n_most > 0:
-                evicted = self._shrink(layer, row_target, row_excess, n_most, n_fewest, chooser)
-                if evicted is not None and n_most == 1:
-                    merging.append((layer, evicted))
-                elif evicted is not None:
-                    layer.merged += chooser.merge.merge([layer], [evicted])[0]
+            if n_most <= 0:
+                continue
+            evicted = self._shrink(layer, row_target, row_excess, n_most, n_fewest, chooser)
+            if evicted is None:
+                continue
+            if n_most == 1:
+                merging.append((layer, evicted))
+            else:
+                layer.merged += chooser.merge.merge([layer], [evicted])[0]
         if merging:
             merged_layers, evicted = zip(*merging)
             for layer, merged in zip(merged_layers, chooser.merge.merge(list(merged_layers), list(evicted))):

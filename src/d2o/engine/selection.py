@@ -56,12 +56,16 @@ def evicted_slots(
     return order, evict_valid
 
 
+def row_offsets(batch: int, heads: int, n_slots: int, device) -> torch.Tensor:
+    """(B, G, 1): where each row and KV head of a (B, G, ``n_slots``, ...) tensor starts in its
+    (B * G * n_slots, ...) view."""
+    return torch.arange(batch * heads, device=device).view(batch, heads, 1) * n_slots
+
+
 def slot_rows(slots: torch.Tensor, n_slots: int) -> torch.Tensor:
     """The slots (B, G, K) of a (B, G, ``n_slots``, ...) tensor as rows of its (B * G * n_slots, ...)
     view: one index for every tensor of a layer (keys, values, each slot state)."""
-    batch, heads = slots.shape[:2]
-    offsets = torch.arange(batch * heads, device=slots.device).view(batch, heads, 1) * n_slots
-    return (slots + offsets).flatten()
+    return (slots + row_offsets(*slots.shape[:2], n_slots, slots.device)).flatten()
 
 
 def take_rows(tensor: torch.Tensor, rows: torch.Tensor, slots_shape: torch.Size) -> torch.Tensor:

@@ -17,6 +17,12 @@ import torch
 CHUNK_ELEMENTS = 1 << 21
 
 
+def as_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor.to(dtype)`` without the call when it has that dtype already: a decode step makes
+    a few hundred of these conversions, nearly all of them no-ops."""
+    return tensor if tensor.dtype == dtype else tensor.to(dtype)
+
+
 @dataclass(frozen=True)
 class StatsRequest:
     """What a method needs from one forward pass of one layer."""

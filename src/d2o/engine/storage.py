@@ -25,7 +25,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from d2o.engine.policy import Evicted
-from d2o.engine.selection import slot_rows, take_rows, take_slots
+from d2o.engine.selection import row_offsets, take_rows, take_slots
 from d2o.errors import D2OError
 
 if TYPE_CHECKING:
@@ -202,8 +202,7 @@ class CompressedLayer(CacheLayerMixin):
         on it cost a few microseconds; a decode step makes ~10 per layer)."""
         batch, heads, n_slots = self.token_index.shape
         if self._offsets is None or self._offsets.shape[:2] != (batch, heads) or self._offsets_width != n_slots:
-            self._offsets = slot_rows(torch.zeros((batch, heads, 1), dtype=torch.long, device=self.device),
-                                      n_slots).view(batch, heads, 1)
+            self._offsets = row_offsets(batch, heads, n_slots, self.device)
             self._offsets_width = n_slots
         return (slots + self._offsets).flatten()
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from d2o.engine.policy import Evicted
-from d2o.engine.stats import CHUNK_ELEMENTS
+from d2o.engine.stats import CHUNK_ELEMENTS, as_dtype
 from d2o.engine.selection import take_rows
 from d2o.engine.storage import RowState
 from d2o.errors import D2OError
@@ -136,7 +136,8 @@ class SimilarityMerge:
         rows = [slice(i * batch, (i + 1) * batch) for i in range(len(layers))]
 
         on = "keys" if self.on == "key" else "values"
-        sources = torch.nn.functional.normalize(_float(_stack([getattr(gone, on) for gone in evicted])), dim=-1)
+        sources = as_dtype(_stack([getattr(gone, on) for gone in evicted]), torch.float32)
+        sources = torch.nn.functional.normalize(sources, dim=-1)
         similar = [most_similar(normalized, getattr(layer, on), self._barred(layer))
                    for layer, normalized in zip(layers, sources.split(batch))]
         best, target = _stack([b for b, _ in similar]), _stack([t for _, t in similar])  # (L*B, G, E)
@@ -222,9 +223,9 @@ class SimilarityMerge:
             flat = [layer.rows_of(slot) for layer, slot in zip(layers, slots)]  # rows of the flat (B*G*N, D) views
             for part in ("values",) if self.values_only else ("keys", "values"):
                 stored = [getattr(layer, part) for layer in layers]
-                current = _float(_stack([take_rows(kept, index, slot.shape)
-                                         for kept, index, slot in zip(stored, flat, slots)]))
-                sources = _float(_stack([getattr(gone, part) for gone in evicted]))
+                current = as_dtype(_stack([take_rows(kept, index, slot.shape)
+                                           for kept, index, slot in zip(stored, flat, slots)]), torch.float32)
+                sources = as_dtype(_stack([getattr(gone, part) for gone in evicted]), torch.float32)
                 blended = torch.addcmul(current * own_share, sources, source_share).to(stored[0].dtype)
                 for kept, index, new in zip(stored, flat, blended.split(batch)):
                     kept.view(-1, kept.shape[-1]).index_copy_(0, index, new.view(-1, kept.shape[-1]))
@@ -274,11 +275,6 @@ def _stack(parts: list[torch.Tensor]) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def _float(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor.float()``, without the call when it is float32 already (a decode step makes ~30 per layer)."""
-    return tensor if tensor.dtype == torch.float32 else tensor.float()
-
-
 def rank_within_target(target: torch.Tensor, merged: torch.Tensor, best: torch.Tensor) -> torch.Tensor:
     """(B, G, E): for each evicted token, how many merged tokens bound for the same kept slot are
     more similar to it (ties: the earlier in the list) - its place in that slot's queue."""
@@ -300,7 +296,7 @@ def most_similar(sources: torch.Tensor, targets: torch.Tensor, barred: torch.Ten
     The targets are the whole kept cache, at every decode step: their dot products with the
     sources are divided by their norms rather than normalising them, so they are read twice and
     never copied."""
-    targets = _float(targets)
+    targets = as_dtype(targets, torch.float32)
     target_scale = torch.linalg.vector_norm(targets, dim=-1).clamp_min_(NORM_EPS).reciprocal_()[:, :, None, :]
     targets_t = targets.transpose(-1, -2)
     barred = barred[:, :, None, :]  # scored NO_TARGET: below any cosine similarity
