@@ -74,8 +74,10 @@ def load_model(
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):
         raise D2OError(f"folder {str(folder)!r} has no tokenizer: none of {', '.join(TOKENIZER_FILES)}")
     tokenizer = _loaded(folder, "tokenizer", AutoTokenizer.from_pretrained)
+    # use_kernels=False: transformers >= 5.25 swaps layers for Hub kernels by default, fetched online;
+    # d2o runs offline and its reference is the stock model's own PyTorch layers.
     model = _loaded(folder, "weights", AutoModelForCausalLM.from_pretrained, dtype=torch_dtype,
-                    attn_implementation="sdpa", device_map=device_map)
+                    attn_implementation="sdpa", device_map=device_map, use_kernels=False)
     if device is not None:
         model.to(device)
     model.eval()
@@ -156,7 +158,8 @@ def _convert_gguf(source: Path, model: Embedded, folder: Path) -> None:
     transformers refuses ``save_pretrained`` on a GGUF-loaded model (it still carries the GGUF
     quantizer), so the weights are copied into a plain model built from the same config.
     """
-    gguf_model = AutoModelForCausalLM.from_pretrained(source, gguf_file=model.gguf, dtype=torch.float32)
+    gguf_model = AutoModelForCausalLM.from_pretrained(source, gguf_file=model.gguf, dtype=torch.float32,
+                                                      use_kernels=False)
     tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=model.gguf)
     config = gguf_model.config
     if hasattr(config, "quantization_config"):
