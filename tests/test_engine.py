@@ -246,3 +246,34 @@ def test_caches_join_a_batch_whatever_slot_state_each_has_made_yet():
     assert "merges" in first.cache.layers[0].slot_state and "merges" not in second.cache.layers[0].slot_state
     first.join(second)
     assert [sequence.tokens for sequence in first.run()] == expected
+
+
+def test_decode_steps_take_surprisal_from_the_logits_the_model_computed(monkeypatch):
+    """A step's surprisal, -log p(token), comes from the logits the model computed at the step
+    before (the output embeddings run once per step), equals the reference, and stays right when
+    rows are reordered between steps (the logits are computed again then)."""
+    model = tiny_model("llama")
+    ids, continuation = random_ids(40, batch=2), random_ids(6, seed=2, batch=2)
+    text = torch.cat([ids, continuation], dim=1)
+    with torch.inference_mode():
+        logits = model(input_ids=text).logits.double()  # no d2o cache: every position
+    reference = torch.logsumexp(logits[:, :-1], -1) - logits[:, :-1].gather(-1, text[:, 1:, None])[..., 0]
+    cache = make_cache(model, "sirllm", 1.0)
+    seen = []
+    monkeypatch.setattr(type(cache.policy), "observe_tokens", lambda self, cache, surprisal: seen.append(surprisal))
+    calls = []
+    counter = model.lm_head.register_forward_hook(lambda *_: calls.append(1))
+    forward(model, ids, cache)
+    order = torch.tensor([0, 1])
+    per_step = []
+    for step in range(continuation.shape[1]):
+        if step == 3:
+            order = order.flip(0)
+            cache.select_rows(torch.tensor([1, 0]))
+        calls.clear()
+        forward(model, continuation[order, step : step + 1], cache)
+        per_step.append(len(calls))
+        assert torch.allclose(seen[-1][:, 0].double(), reference[order, ids.shape[1] + step - 1], atol=1e-5)
+    counter.remove()
+    assert per_step == [1, 1, 1, 2, 1, 1]
+    assert torch.allclose(seen[0][:, 1:].double(), reference[:, : ids.shape[1] - 1], atol=1e-5)

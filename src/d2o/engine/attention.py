@@ -200,16 +200,16 @@ def install(model, backend: str | None = None) -> None:
     model.set_attn_implementation(ATTENTION_NAMES[backend])
     decoder = model.get_decoder()
     if not hasattr(decoder, HOOK_ATTRIBUTE):
-        handle = decoder.register_forward_hook(_end_of_forward(model.get_output_embeddings()), with_kwargs=True)
-        setattr(decoder, HOOK_ATTRIBUTE, handle)
+        setattr(decoder, HOOK_ATTRIBUTE, _install_hooks(decoder, model.get_output_embeddings()))
 
 
 def uninstall(model) -> None:
     """Undo ``install``: the model's own attention implementation again, and no forward hook."""
     decoder = model.get_decoder()
-    handle = getattr(decoder, HOOK_ATTRIBUTE, None)
-    if handle is not None:
-        handle.remove()
+    handles = getattr(decoder, HOOK_ATTRIBUTE, None)
+    if handles is not None:
+        for handle in handles:
+            handle.remove()
         delattr(decoder, HOOK_ATTRIBUTE)
     stock = getattr(model, STOCK_ATTRIBUTE, None)
     if stock is not None:
@@ -217,14 +217,19 @@ def uninstall(model) -> None:
         delattr(model, STOCK_ATTRIBUTE)
 
 
-def _end_of_forward(lm_head):
-    """Forward hook on the decoder: after every pass, let a d2o cache see the tokens and compress.
+def _install_hooks(decoder, lm_head) -> tuple:
+    """Forward hooks on the decoder and the output embeddings; returns their handles.
 
-    Compressing here, after the final norm, rather than in the last layer, lets policies score
-    tokens by what the model predicted (token surprisal) as well as by attention.
+    After every pass of the decoder a d2o cache sees the tokens and compresses. Compressing there,
+    after the final norm, rather than in the last layer, lets policies score tokens by what the
+    model predicted (token surprisal) as well as by attention. The next token's surprisal needs
+    the logits of this pass's last position: the model computes them right after, so the hook on
+    the output embeddings hands them to the cache, which need not compute them again.
     """
+    awaiting_logits: list[CompressedCache] = []  # the cache of the pass whose logits come next
 
-    def hook(module, args, kwargs, output):
+    def end_of_decoder(module, args, kwargs, output):
+        awaiting_logits.clear()
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         if isinstance(cache, CompressedCache):
             if cache.policy.needs_surprisal:
@@ -232,6 +237,12 @@ def _end_of_forward(lm_head):
                 if input_ids is None:
                     raise D2OError(f"{cache.policy.name} scores tokens by surprisal: give input_ids, not embeddings")
                 cache.observe_tokens(input_ids, output.last_hidden_state, lm_head)
+                awaiting_logits.append(cache)
             cache.end_of_forward()
 
-    return hook
+    def logits(module, args, output):
+        if awaiting_logits:
+            awaiting_logits.pop().observe_logits(args[0][:, -1], output[:, -1])
+
+    return (decoder.register_forward_hook(end_of_decoder, with_kwargs=True),
+            lm_head.register_forward_hook(logits))

@@ -90,6 +90,7 @@ class CompressedCache(Cache):
         self.allocated = False
         self._holds = 0
         self._last_hidden = None  # the last real token's final hidden state (for surprisal)
+        self._last_logits = None  # (hidden, logits): the model's logits from those hidden states
 
     def fork(self, policy: Policy, budget, slot_prefix: str = "") -> CompressedCache:
         """A cache for ``policy`` at ``budget`` continuing from this one's tokens, compressed now if
@@ -101,7 +102,7 @@ class CompressedCache(Cache):
         if new.kv_repeats != self.kv_repeats:
             raise D2OError(f"{policy.name} stores KV heads differently: it cannot share another method's prefill")
         new.forwards = self.forwards
-        new._last_hidden = self._last_hidden
+        new._last_hidden, new._last_logits = self._last_hidden, self._last_logits
         for mine, theirs in zip(self.layers, new.layers):
             if not mine.is_initialized:
                 continue
@@ -159,7 +160,7 @@ class CompressedCache(Cache):
         super().reset()
         self.forwards = 0
         self.allocated = False
-        self._last_hidden = None
+        self._last_hidden = self._last_logits = None
 
     @contextmanager
     def hold(self):
@@ -176,8 +177,19 @@ class CompressedCache(Cache):
         """Give the policy each new token's surprisal, -log p(token | earlier tokens), (B, q)."""
         first = self.layers[0]
         valid = first.token_index[:, 0].gather(1, first.fresh_slots(input_ids.shape[1])[:, 0]) >= 0
-        surprisal, self._last_hidden = token_surprisal(input_ids, hidden, lm_head, valid, self._last_hidden)
+        # The model's own logits of the last pass, if they were computed from the very hidden states
+        # kept here (not when rows were selected, joined or forked since, nor for another input).
+        known = self._last_logits is not None and self._last_hidden is not None \
+            and torch.equal(self._last_logits[0], self._last_hidden)
+        surprisal, self._last_hidden = token_surprisal(input_ids, hidden, lm_head, valid, self._last_hidden,
+                                                       self._last_logits[1] if known else None)
+        self._last_logits = None
         self.policy.observe_tokens(self, surprisal)
+
+    def observe_logits(self, hidden: torch.Tensor, logits: torch.Tensor) -> None:
+        """The logits (B, V) the model computed from final hidden states ``hidden`` (B, d): those of
+        this pass's last position, which predict the next pass's first token."""
+        self._last_logits = (hidden.clone(), logits.clone())
 
     def end_of_forward(self) -> None:
         """Called by the decoder's forward hook after every forward pass."""

@@ -153,21 +153,26 @@ SURPRISAL_CHUNK_ELEMENTS = 1 << 22
 
 
 def token_surprisal(
-    input_ids: torch.Tensor, hidden: torch.Tensor, lm_head, valid: torch.Tensor, previous: torch.Tensor | None
+    input_ids: torch.Tensor, hidden: torch.Tensor, lm_head, valid: torch.Tensor, previous: torch.Tensor | None,
+    previous_logits: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """-log p(x_t | x_<t) for each new token (B, q), float32; 0 for padding and a row's first token.
 
     ``hidden`` (B, q, d) is the decoder's final hidden state, ``previous`` (B, d) the last real
-    token's from the pass before (its prediction scores this pass's first token). Logits are
-    computed a chunk of positions at a time, never (q, vocab) at once. Returns the surprisal and
-    the new ``previous``.
+    token's from the pass before (its prediction scores this pass's first token), and
+    ``previous_logits`` (B, V), if known, ``lm_head(previous)`` as the model computed it already.
+    Logits are computed a chunk of positions at a time, never (q, vocab) at once. Returns the
+    surprisal and the new ``previous``.
     """
     batch, n_new, _ = hidden.shape
+    surprisal = torch.zeros((batch, n_new), dtype=torch.float32, device=hidden.device)
     predictors = hidden[:, :-1]
-    if previous is not None:
+    if previous_logits is not None:
+        logits = previous_logits.float()
+        surprisal[:, 0] = torch.logsumexp(logits, dim=-1) - logits.gather(-1, input_ids[:, :1]).squeeze(-1)
+    elif previous is not None:
         predictors = torch.cat([previous[:, None].to(hidden.dtype), predictors], dim=1)
     targets = input_ids[:, -predictors.shape[1]:] if predictors.shape[1] else input_ids[:, :0]
-    surprisal = torch.zeros((batch, n_new), dtype=torch.float32, device=hidden.device)
     offset = n_new - predictors.shape[1]
     vocab = lm_head.weight.shape[0]
     chunk = max(1, SURPRISAL_CHUNK_ELEMENTS // max(1, batch * vocab))
