@@ -53,3 +53,14 @@ def test_the_official_preset_cannot_share_a_prefill():
     shared.methods.append(get_method("d2o-official"))
     with pytest.raises(D2OError, match="cannot share"):
         shared.fork(1, 0.5)
+
+
+def test_a_compressed_cache_cannot_be_forked():
+    """A fork continues from every token; a compressed cache no longer has them (nor can it hand
+    over its merged slots' weights and thresholds), so forking it is refused, not approximated."""
+    model = tiny_model("llama")
+    cache = make_cache(model, "d2o", 0.3)
+    with torch.inference_mode():
+        model(input_ids=random_ids(50), cache=cache)
+    with pytest.raises(D2OError, match=r"only a cache that holds every token \(budget 1.0\) can be forked"):
+        cache.fork(get_method("d2o"), 0.3)

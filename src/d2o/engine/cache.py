@@ -96,7 +96,12 @@ class CompressedCache(Cache):
         """A cache for ``policy`` at ``budget`` continuing from this one's tokens, compressed now if
         it is time. Key/value tensors are shared (compression writes new tensors, never into old
         ones); the slot state under ``slot_prefix`` becomes the new cache's own (copied, since
-        methods accumulate into it)."""
+        methods accumulate into it). The source must hold every token (budget 1.0): what a
+        compressed cache has made of its tokens (merged slots' weights, thresholds, budgets) is the
+        method's own and does not carry over."""
+        if not self.budget.unlimited:
+            raise D2OError(f"only a cache that holds every token (budget 1.0) can be forked; this one's budget is "
+                           f"{self.budget}")
         new = CompressedCache.__new__(CompressedCache)
         new._setup(self.config, policy, budget)
         if new.kv_repeats != self.kv_repeats:
