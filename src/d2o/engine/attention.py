@@ -13,14 +13,17 @@ compresses (a forward hook on the decoder).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
+import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
 from d2o.engine.cache import CompressedCache
-from d2o.engine.stats import AttentionStats, allowed_keys, as_dtype, attention_stats
+from d2o.engine.stats import AttentionStats, StatsRequest, allowed_keys, as_dtype, attention_stats
 from d2o.engine.storage import claim_active_layer
 from d2o.errors import D2OError
 
@@ -71,7 +74,7 @@ def _make_attention(backend: str):
         if request is not None and n_query == 1 and window_mask is None:
             output, stats = _one_query_attention(query, key, value, None if every_slot else kv_valid, new_valid,
                                                  scaling, request, log_weight)
-            layer.cache.policy.observe(layer, stats)
+            _observe(layer, request, stats)
             return output, None
 
         if request is not None and request.column_mass and n_query > 1 and backend == "sdpa":
@@ -79,7 +82,7 @@ def _make_attention(backend: str):
             stats = attention_stats(query, key, kv_valid.expand(-1, key.shape[1], -1),
                                     kv_valid.new_ones((batch, n_query)) if new_valid is None else new_valid,
                                     scaling, request, window_mask, log_weight, value)
-            layer.cache.policy.observe(layer, stats)
+            _observe(layer, request, stats)
             return stats.output, None
 
         mask = None
@@ -106,11 +109,28 @@ def _make_attention(backend: str):
             if new_valid is None:
                 new_valid = kv_valid.new_ones((batch, n_query))
             stats = attention_stats(query, key, per_head, new_valid, scaling, request, window_mask, log_weight)
-            layer.cache.policy.observe(layer, stats)
+            _observe(layer, request, stats)
         return output, None
 
     attention.__name__ = f"d2o_{backend}_attention"
     return attention
+
+
+def _observe(layer, request: StatsRequest, stats: AttentionStats) -> None:
+    """Hand a pass's statistics to the policy. While the cache is held (a prompt prefilled in
+    chunks, to be scored as a whole), the window rows of the earlier passes go with this pass's:
+    the window is the last ``request.window`` queries of the prompt, however it was chunked."""
+    if not layer.cache.held or stats.window is None:
+        layer.held_window = None
+    else:
+        earlier = layer.held_window
+        if earlier is not None and earlier.shape[:3] == stats.window.shape[:3]:
+            # Slots added since take no attention from the earlier queries (nothing is evicted while held).
+            earlier = F.pad(earlier, (0, stats.window.shape[-1] - earlier.shape[-1]))
+            rows = torch.cat([earlier, stats.window], dim=3)[:, :, :, -request.window :]
+            stats = replace(stats, window=rows)
+        layer.held_window = stats.window
+    layer.cache.policy.observe(layer, stats)
 
 
 def _one_query_attention(query, key, value, kv_valid, new_valid, scaling, request, log_weight=None):

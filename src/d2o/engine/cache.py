@@ -176,7 +176,17 @@ class CompressedCache(Cache):
         finally:
             self._holds -= 1
         if not self._holds:
-            self.compress()
+            for layer in self.layers:
+                layer.held_window = None
+            # Compress in the mode the passes ran in: inference tensors are written in place only in it.
+            first = self.layers[0]
+            with torch.inference_mode(first.is_initialized and first.keys.is_inference()):
+                self.compress()
+
+    @property
+    def held(self) -> bool:
+        """True inside ``hold()``: compression waits for the block to end."""
+        return self._holds > 0
 
     def observe_tokens(self, input_ids: torch.Tensor, hidden: torch.Tensor, lm_head) -> None:
         """Give the policy each new token's surprisal, -log p(token | earlier tokens), (B, q)."""

@@ -135,6 +135,8 @@ class CompressedLayer(CacheLayerMixin):
         self.real_seen: torch.Tensor | None = None  # (B,) real tokens fed per row
         self.budget: torch.Tensor | None = None  # (B,) slots this layer may keep per row, once allocated
         self.merged: torch.Tensor | None = None  # (B,) evicted (token, KV head) pairs merged so far
+        # While the cache is held: the latest window rows of attention, (B, G, group, w, N), across passes.
+        self.held_window: torch.Tensor | None = None
         self.pending = 0  # tokens appended by `update` that the attention hook has not admitted yet
         self.written: torch.Tensor | None = None  # (B, G, 1): where `update` wrote a token in place
         self.holes: torch.Tensor | None = None  # (B, G, 1): slots the last eviction emptied in every row

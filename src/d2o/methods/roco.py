@@ -36,7 +36,9 @@ class RoCo(HeavyRecent):
         return StatsRequest(window=self.window)
 
     def observe(self, layer, stats: AttentionStats) -> None:
-        rows = stats.window.sum(dim=2).permute(0, 1, 3, 2)  # (B, G, N, w): per KV head
+        # This pass's rows only (under a hold the window also holds earlier passes'; they are in history).
+        fresh = stats.window[:, :, :, -min(stats.n_query, stats.window.shape[3]):]
+        rows = fresh.sum(dim=2).permute(0, 1, 3, 2)  # (B, G, N, w): per KV head
         history = layer.slot_state.get("recent_rows")
         if history is not None:
             rows = torch.cat([history, rows], dim=-1)[..., -self.window :]
