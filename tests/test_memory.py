@@ -85,3 +85,19 @@ def test_a_prompt_under_the_floor_plans_what_the_full_cache_holds():
     assert plan(config, d2o.get_method("d2o"), d2o.Budget.parse(0.2), 37, 12) == full
     longer = plan(config, d2o.get_method("d2o"), d2o.Budget.parse(0.2), 200, 12)
     assert longer.held_bytes == (128 + 1) * 4 * slot_bytes(config, 4, d2o.get_method("d2o"))
+
+
+def test_the_official_preset_is_planned_within_the_full_cache_and_stays_within_it():
+    """d2o-official's budgets are set at its first decode step and need not add up to its total
+    (its exempt layers' share is lost): its plan is the full cache's, and what it holds stays below."""
+    model = tiny_model(num_hidden_layers=8)
+    official = d2o.get_method("d2o-official")
+    budget = d2o.Budget.parse("0.2", 0)
+    expected = plan(model.config, official, budget, 100, 20)
+    assert expected.held_bytes == 8 * 120 * slot_bytes(model.config, 4, official)  # every layer, every token
+    batch, _ = prefilled(model, "d2o-official", "0.2", 0, [100], 20)
+    most = batch.cache.nbytes
+    while batch.sequences:
+        batch.step()
+        most = max(most, batch.cache.nbytes)
+    assert most <= expected.peak_bytes

@@ -56,6 +56,8 @@ class Method:
     repeats_kv_heads: ClassVar[bool] = False
     # True: the budget is ignored and nothing is ever evicted (the full cache).
     keeps_everything: ClassVar[bool] = False
+    # False: the layers' budgets need not add up to the total (a memory plan reserves the full cache).
+    conserves_budget: ClassVar[bool] = True
 
     n_sinks: int = 0
     allocation: Allocation = field(default_factory=Uniform)

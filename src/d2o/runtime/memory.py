@@ -5,7 +5,8 @@ every kept slot; a prompt is prefilled whole before it is compressed, so the pre
 prompt token in every layer; while decoding, a method that evicts holds its budget (plus the one
 slot a new token is written into), a method that compresses once grows by every generated token,
 and the full cache holds everything. A sliding-window layer (Gemma 3) holds its window whatever the
-method.
+method. A method whose layer budgets need not add up to its total (``d2o-official``) is planned as
+the full cache: a bound it never exceeds.
 
 Rows decoding together share one tensor per layer, as wide as its widest row: ``peak_slots`` gives,
 once a row is prefilled, the most slots it can occupy in each layer, and ``padded_bytes`` the most
@@ -51,7 +52,7 @@ def plan(config, method: Method, budget: Budget, prompt_tokens: int, new_tokens:
     compressible = [i for i, window in enumerate(windows) if window is None]
     exempt = len({compressible[i % len(compressible)] for i in method.exempt_layers})
     active = len(compressible) - exempt
-    if method.keeps_everything or budget.unlimited:
+    if method.keeps_everything or budget.unlimited or not method.conserves_budget:
         held = len(compressible) * length
     else:
         share = budget.total(len(compressible), prompt_tokens) - exempt * prompt_tokens  # the active layers'

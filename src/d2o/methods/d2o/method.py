@@ -63,6 +63,7 @@ class D2OOfficial(D2O):
     summary = "D2O as released: 1:1, exempt layers 0,1,L-1, first-decode compression, mean merge"
     compress_after_forward = 2
     repeats_kv_heads = True
+    conserves_budget = False  # its exempt layers' share is lost, each other layer floors (S + 1) * ratio
 
     split: tuple[int, int] = (1, 1)
     exempt_layers: tuple[int, ...] = (0, 1, -1)
