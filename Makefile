@@ -29,7 +29,7 @@ test: setup
 	$(BIN)/python -m pytest
 
 bench: setup
-	$(BIN)/d2o bench prefill --model smollm2 --lengths 1024,2048,4096 --json
+	$(BIN)/d2o bench prefill --model smollm2 --lengths 1024,2048,4096 --out out/prefill
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info
