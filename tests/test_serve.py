@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -157,6 +158,8 @@ BAD = [
     ("malformed JSON", b'{"model": "smollm2", "messages": [', 400, None, None),
     ("unknown method", {**CHAT, "kv_method": "nope"}, 400, "kv_method", None),
     ("budget out of range", {**CHAT, "kv_budget": 1.5}, 400, "kv_budget", None),
+    ("a boolean budget", {**CHAT, "kv_budget": True}, 400, "kv_budget", None),
+    ("a seed beyond 64 bits", {**CHAT, "seed": 2**70, "temperature": 1.0}, 400, "seed", None),
     ("budget below the method's minimum", {**CHAT, "kv_budget": "2t"}, 400, "kv_budget", None),
     ("negative max_tokens", {**CHAT, "max_tokens": -1}, 400, "max_tokens", None),
     ("n > 1", {**CHAT, "n": 2}, 400, "n", None),
@@ -356,6 +359,8 @@ def test_memory_sizes():
     (["--budget", "2t"], "budget 2t leaves 2 tokens per layer"),
     (["--replicas", "-1"], "replicas must be >= 0"),
     (["--max-queue", "-1"], "max_queue must be >= 0"),
+    (["--port", "99999"], "port 99999 must be in 1..65535"),
+    (["--port", "0"], "port 0 must be in 1..65535"),
 ])
 def test_bad_serve_options_are_one_line_and_exit_code_2(monkeypatch, capsys, args, message):
     monkeypatch.setattr("sys.argv", ["d2o", "serve", *args])
@@ -363,3 +368,13 @@ def test_bad_serve_options_are_one_line_and_exit_code_2(monkeypatch, capsys, arg
         main()
     err = capsys.readouterr().err
     assert done.value.code == 2 and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_port_already_taken_is_one_line_before_the_model_loads(monkeypatch, capsys):
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        monkeypatch.setattr("sys.argv", ["d2o", "serve", "--port", str(port)])
+        with pytest.raises(SystemExit) as done:
+            main()
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and f"cannot listen on 127.0.0.1:{port}" in err and len(err.strip().splitlines()) == 1

@@ -101,6 +101,7 @@ def serve(
     if replicas < 0:
         raise D2OError(f"replicas must be >= 0, got {replicas}")
     config.check()  # before the model loads
+    check_port(host, port)
     if replicas:
         from d2o.serve.ray_serve import run_replicas
 
@@ -109,6 +110,19 @@ def serve(
         from d2o.serve.app import run
 
         run(config, host, port)
+
+
+def check_port(host: str, port: int) -> None:
+    """Refuse a port out of range, or one another process listens on, before the model loads."""
+    if not 1 <= port <= 65535:
+        raise D2OError(f"port {port} must be in 1..65535")
+    import socket
+
+    try:
+        with socket.create_server((host, port)):
+            pass
+    except OSError as error:
+        raise D2OError(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
 
 
 @app.command()

@@ -33,6 +33,8 @@ class Sampling:
             raise D2OError(f"temperature={self.temperature!r} must be >= 0 (0: greedy)")
         if not 0.0 < self.top_p <= 1.0:
             raise D2OError(f"top_p={self.top_p!r} must be in (0, 1]")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise D2OError(f"seed={self.seed} must fit in 64 bits")
 
     @property
     def greedy(self) -> bool:

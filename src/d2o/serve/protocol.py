@@ -10,7 +10,7 @@ import time
 import uuid
 from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr, field_validator
 
 
 class APIError(Exception):
@@ -40,12 +40,12 @@ class Generation(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     stop: Union[str, list[str], None] = None
-    seed: Optional[int] = None
+    seed: Optional[int] = Field(None, ge=-(2**63), lt=2**64)  # what a torch generator takes
     n: int = 1
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     kv_method: Optional[str] = None
-    kv_budget: Union[float, str, None] = None
+    kv_budget: Union[StrictInt, StrictFloat, StrictStr, None] = None  # strict: true is not a budget of 1
 
     @field_validator("n")
     @classmethod
