@@ -122,6 +122,21 @@ def test_local_model_folders_load_and_generate(real_model, tmp_path, arch):
     (["serve", "--kv-memory", "12XB"], "memory size '12XB'"),
     (["serve", "--budget", "2"], "budget ratio must be in (0, 1]"),
     (["bench", "serve", "--kv-memory", "1QB"], "memory size '1QB'"),
+    (["bench", "serve", "--methods", ""], "no methods given"),
+    (["eval", "--task", "passkey", "--limit", "0"], "limit must be at least 1, got 0"),
+    (["eval", "--task", "passkey", "--task-option", "length=abc"], "option length='abc' must be a whole number"),
+    (["eval", "--task", "niah", "--task-option", "lengths=abc"], "option lengths='abc' must be a whole number"),
+    (["eval", "--task", "squad", "--task-option", "chat=maybe"], "option chat='maybe' must be true or false"),
+    (["eval", "--task", "passkey", "--methods", ""], "no methods given"),
+    (["eval", "--task", "passkey", "--methods", "h2o,h2o"], "h2o given twice in methods"),
+    (["eval", "--task", "passkey", "--methods", "h2o", "--option", "d2o.alpha=0.3"], "options for d2o, which is not"),
+    (["eval", "--task", "passkey", "--out", "pyproject.toml"], "results folder 'pyproject.toml' is a file"),
+    (["bench", "decode", "--steps", "0"], "steps must be at least 1, got 0"),
+    (["bench", "decode", "--lengths", ""], "no lengths given"),
+    (["bench", "decode", "--device", "tpu"], "device 'tpu': cpu or cuda"),
+    (["bench", "fit", "--kv-memory", "1GB", "--prompt", "0"], "prompt must be at least 1, got 0"),
+    (["bench", "prefill", "--lengths", "0"], "lengths must be at least 1, got 0"),
+    (["bench", "prefill", "--repeats", "0"], "repeats must be at least 1, got 0"),
 ])
 def test_bad_input_fails_before_torch_loads(args, message):
     """Checked at the front door: one line, exit code 2, and neither torch nor a model was loaded."""
@@ -132,3 +147,13 @@ def test_bad_input_fails_before_torch_loads(args, message):
     done = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, timeout=60)
     assert done.stdout.split() == ["2", "False", "False"]
     assert done.stderr.count("\n") == 1 and message in done.stderr
+
+
+def test_an_eval_that_fails_its_checks_leaves_its_folder_free(monkeypatch, capsys, tmp_path, real_model):
+    """The configuration is recorded only once every sample is known to run: a rerun with the
+    option corrected resumes into the same folder."""
+    out = tmp_path / "eval"
+    code, _, err = run_cli(monkeypatch, capsys, "eval", "--task", "passkey", "--task-option", "length=0",
+                           "--methods", "full", "--limit", "1", "--out", str(out))
+    assert code == 2 and "a passkey prompt needs more than" in err
+    assert not (out / "config.json").exists()

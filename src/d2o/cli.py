@@ -7,6 +7,7 @@ before any model loads; a ``D2OError`` becomes one line on stderr and exit code 
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Optional
@@ -196,6 +197,22 @@ def tasks():
         print(f"{name:<{width}}  {cls.summary}\n{'':<{width}}  options: {options or 'none'}")
 
 
+def at_least_one(**values) -> None:
+    """Each value (a count, or a list of them) at least 1, and no list empty: else one line naming it."""
+    for name, value in values.items():
+        items = value if isinstance(value, tuple) else (value,)
+        if not items:
+            raise D2OError(f"no {name} given")
+        bad = [item for item in items if item < 1]
+        if bad:
+            raise D2OError(f"{name} must be at least 1, got {bad[0]}")
+
+
+def check_device(device: str | None) -> None:
+    if device is not None and device != "cpu" and not re.fullmatch(r"cuda(:\d+)?", device):
+        raise D2OError(f"device {device!r}: cpu or cuda (cuda:N for another GPU)")
+
+
 MODEL = typer.Option("smollm2", help="'smollm2' (embedded) or a local model folder.")
 SHAPE = typer.Option(None, help="Random weights of a shape instead of --model: smollm2, llama-3-8b, tiny.")
 POSITIONS = typer.Option(None, help="With --shape: the model's positions (default: as many as the run needs).")
@@ -212,9 +229,16 @@ def bench_model(model: str, shape: str | None, positions: int, dtype: str, devic
     from d2o.bench.models import SHAPES
     from d2o.methods import get_method
 
+    if not methods:
+        raise D2OError("no methods given")
     for name in methods:
         if name != "full":
             get_method(name).check_budget(budget)
+    if device is not None and device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise D2OError(f"device {device!r}: torch sees no CUDA device here")
     if shape is not None and shape not in SHAPES:
         raise D2OError(f"unknown shape {shape!r}; choose one of: {', '.join(SHAPES)}")
     if shape is not None:
@@ -238,6 +262,8 @@ def bench_decode(
     """ms per decode step, tokens/s and KV bytes of each method against the full cache, per context and batch."""
     names, parsed, sizes = split_list(methods), Budget.parse(budget), split_list(lengths, int)
     batches = split_list(batch, int)
+    at_least_one(lengths=sizes, batch=batches, steps=steps, repeats=repeats)
+    check_device(device)
 
     from d2o.bench import plots
     from d2o.bench.decode import bench_decode as run
@@ -264,6 +290,8 @@ def bench_fit(
     """The largest batch each method fits under a KV memory cap, and the tokens/s it reaches there."""
 
     cap, names, parsed = parse_bytes(kv_memory), split_list(methods), Budget.parse(budget)
+    at_least_one(prompt=prompt, generate=generate)
+    check_device(device)
 
     from d2o.bench import plots
     from d2o.bench.fit import bench_fit as run
@@ -291,6 +319,8 @@ def bench_prefill(
 ):
     """Prefill time of METHOD over plain SDPA, and the peak memory of each against the S x S matrix."""
     parsed, sizes = Budget.parse(budget), split_list(lengths, int)
+    at_least_one(lengths=sizes, repeats=repeats)
+    check_device(device)
 
     from d2o.bench import plots
     from d2o.bench.output import emit
@@ -317,7 +347,11 @@ def bench_throughput(
 
     if not decode.is_file():
         raise D2OError(f"decode results {str(decode)!r} not found: run `d2o bench decode --out DIR` first")
-    rows = integrate(json.loads(decode.read_text())["rows"], prompt, generate)
+    try:
+        measured = json.loads(decode.read_text())["rows"]
+    except (ValueError, KeyError, TypeError) as error:
+        raise D2OError(f"{str(decode)!r} is not the decode.json of `d2o bench decode` ({error!r})") from None
+    rows = integrate(measured, prompt, generate)
     emit(rows, f"Throughput of {prompt} + {generate} tokens", "throughput", out, dict(prompt=prompt, generate=generate))
     plots.bars(rows, "tokens_per_s", "tokens/s", f"{prompt} + {generate} tokens", out / "throughput.png")
 
@@ -340,6 +374,8 @@ def bench_serve(
     cap, names, parsed = parse_bytes(kv_memory), split_list(methods), Budget.parse(budget, min_tokens)
     if min(clients, requests, prompt_tokens, max_tokens) < 1:
         raise D2OError("clients, requests, prompt-tokens and max-tokens must be at least 1")
+    if not names:
+        raise D2OError("no methods given")
 
     from d2o.runtime.generation import resolve
 

@@ -9,6 +9,7 @@ first token (p50/p95), how many requests ran at once, and the KV bytes held at m
 from __future__ import annotations
 
 import asyncio
+import math
 import json
 import statistics
 import time
@@ -57,7 +58,10 @@ def _metric(text: str, name: str) -> float:
 
 
 def _quantile(values: list[float], q: float) -> float:
-    return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1] if len(values) > 1 else values[0]
+    """The q-quantile of ``values``; NaN when no request was answered (every one refused)."""
+    if len(values) < 2:
+        return values[0] if values else math.nan
+    return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1]
 
 
 def bench_serve(model, tokenizer, methods: list[tuple[str, str]], kv_memory: int, clients: int = 8,

@@ -47,10 +47,25 @@ class EvalConfig:
 
 
 def check_config(config: EvalConfig) -> tuple[Task, list[Budget]]:
-    """Everything that can be checked without torch: the task and its options, the budgets."""
+    """Everything that can be checked without torch: the task and its options, the methods, the
+    budgets, the limit, the output folder."""
     task = get_task(config.task, **config.task_options)
     if config.protocol not in PROTOCOLS:
         raise D2OError(f"protocol {config.protocol!r} must be one of {', '.join(PROTOCOLS)}")
+    if config.limit is not None and config.limit < 1:
+        raise D2OError(f"limit must be at least 1, got {config.limit}")
+    for what, names in (("methods", config.methods), ("budgets", config.budgets)):
+        if not names:
+            raise D2OError(f"no {what} given")
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:
+            raise D2OError(f"{', '.join(map(str, twice))} given twice in {what}")
+    stray = sorted(set(config.method_options) - set(config.methods))
+    if stray:
+        raise D2OError(f"options for {', '.join(stray)}, which is not among the methods: {', '.join(config.methods)}")
+    out = Path(config.out)
+    if out.exists() and not out.is_dir():
+        raise D2OError(f"results folder {str(out)!r} is a file")
     return task, [Budget.parse(b, config.min_tokens) for b in config.budgets]
 
 
@@ -70,7 +85,7 @@ def run_eval(config: EvalConfig, progress: bool = True) -> list[dict]:
         for budget in budgets:
             method.check_budget(budget)
     out = Path(config.out)
-    claim_folder(out, config, task)
+    check_folder(out, config, task)  # another configuration's folder: refused before the model loads
     model, tokenizer = load_model(config.model, dtype=config.dtype, attention=config.attention)
     store = results.SampleStore(out / "samples.jsonl")
     samples = task.samples(tokenizer, config.limit, config.seed)
@@ -81,6 +96,7 @@ def run_eval(config: EvalConfig, progress: bool = True) -> list[dict]:
             check_length(model, sum(map(len, encoded[sample.id])), sample.max_new_tokens)
         except D2OError as error:
             raise D2OError(f"sample {sample.id}: {error}") from None
+    record_config(out, config, task)  # only once every sample is known to run
     runner = Runner(model, tokenizer, methods, config.shared_prefill)
     runs = runs_of(methods, budgets)
     done = store.keys()
@@ -105,15 +121,26 @@ def runs_of(methods: dict, budgets: list[Budget]) -> list:
     return runs
 
 
-def claim_folder(out: Path, config: EvalConfig, task: Task) -> None:
-    """Record the configuration, or check that a resumed folder holds the same one."""
-    out.mkdir(parents=True, exist_ok=True)
+def check_folder(out: Path, config: EvalConfig, task: Task) -> None:
+    """Create the results folder, or check that a resumed one holds the same configuration."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise D2OError(f"cannot create the results folder {str(out)!r}: {error.strerror or error}") from None
     path = out / "config.json"
-    identity = json.loads(json.dumps(config.identity(task)))  # tuples as lists, like the file
     if path.exists():
-        recorded = json.loads(path.read_text())
-        if recorded.get("identity") != identity:
-            differing = sorted(k for k in identity if recorded.get("identity", {}).get(k) != identity[k])
+        recorded = json.loads(path.read_text()).get("identity", {})
+        identity = _identity(config, task)
+        if recorded != identity:
+            differing = sorted(k for k in identity if recorded.get(k) != identity[k])
             raise D2OError(f"{out} holds results of another configuration (differs in: {', '.join(differing)}); "
                            f"choose another --out")
-    path.write_text(json.dumps({"identity": identity, "last_run": asdict(config)}, indent=1, default=str))
+
+
+def record_config(out: Path, config: EvalConfig, task: Task) -> None:
+    (out / "config.json").write_text(json.dumps({"identity": _identity(config, task), "last_run": asdict(config)},
+                                                indent=1, default=str))
+
+
+def _identity(config: EvalConfig, task: Task) -> dict:
+    return json.loads(json.dumps(config.identity(task)))  # tuples as lists, like the file

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar
 
 from d2o.errors import D2OError
@@ -83,7 +83,29 @@ def get_task(name: str, **options) -> Task:
     if unknown:
         options = ", ".join(sorted(known)) or "none"
         raise D2OError(f"task {name!r} takes no option {', '.join(unknown)}; its options: {options}")
-    return cls(**given)
+    defaults = {f.name: f.default if f.default is not MISSING else f.default_factory() for f in fields(cls)
+                if f.default is not MISSING or f.default_factory is not MISSING}
+    return cls(**{key: _typed(name, key, value, defaults.get(key)) for key, value in given.items()})
+
+
+def _typed(task: str, key: str, value, default):
+    """A task option's value in the type of its default (one value where a list is expected is a
+    list of one); a value of another type is refused, naming the option."""
+    if isinstance(default, tuple):
+        values = value if isinstance(value, tuple) else (value,)
+        kind = type(default[0]) if default else None
+        return tuple(_typed(task, key, item, kind()) if kind is not None else item for item in values)
+    if default is None:
+        return value
+    kind = type(default)
+    fits = (isinstance(value, kind) and not (isinstance(value, bool) and kind is not bool)
+            or kind is float and isinstance(value, int) and not isinstance(value, bool))
+    if not fits:
+        raise D2OError(f"task {task!r}: option {key}={value!r} must be {_KINDS.get(kind, kind.__name__)}")
+    return value  # as given (a depth of 0 stays 0: it names the samples)
+
+
+_KINDS = {int: "a whole number", float: "a number", bool: "true or false", str: "a text"}
 
 
 PROTOCOLS = ("prompt", "context")
