@@ -298,6 +298,10 @@ def test_sirllm_keeps_the_most_surprising_tokens():
     ("d2o-plus", {"scoring.surprisal_span": 4}, 0.3, "surprisal_span=4"),
     ("d2o-plus", {"scoring.votes": "mean"}, 0.3, "votes='mean'"),
     ("d2o-plus", {"scoring.surprisal": -1.0}, 0.3, "surprisal=-1.0"),
+    ("d2o-plus", {"scoring.window": 0}, 0.3, "scoring.window=0 does not keep"),
+    ("h2o", {"n_sinks": 1.5}, 0.3, "n_sinks=1.5 must be a whole number"),
+    ("h2o", {"n_sinks": True}, 0.3, "n_sinks=True must be a whole number"),
+    ("h2o", {"split": (1.5, 1)}, 0.3, "split=\\(1.5, 1\\) must be two non-negative parts"),
 ])
 def test_out_of_range_method_options_name_the_parameter(name, options, budget, parameter):
     model = tiny_model("llama")

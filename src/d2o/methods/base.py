@@ -65,8 +65,12 @@ class Method:
     merge: Merge | None = None
 
     def __post_init__(self):
-        check(self.n_sinks >= 0, "n_sinks", self.n_sinks, "must be >= 0")
+        check(whole(self.n_sinks) and self.n_sinks >= 0, "n_sinks", self.n_sinks, "must be a whole number >= 0")
         self.exempt_layers = tuple(self.exempt_layers)
+        self.check_parts()
+
+    def check_parts(self) -> None:
+        """Refuse parts that do not fit together (run again once ``get_method`` set nested options)."""
 
     # -- state and diagnostics ------------------------------------------------------------------
     def new_layer_state(self) -> RowState | None:
@@ -165,8 +169,8 @@ class HeavyRecent(Method):
     def __post_init__(self):
         super().__post_init__()
         self.split = tuple(self.split)
-        check(len(self.split) == 2 and min(self.split) >= 0 and sum(self.split) > 0, "split", self.split,
-              "must be two non-negative parts, scored:recent, not both 0")
+        check(len(self.split) == 2 and all(map(whole, self.split)) and min(self.split) >= 0 and sum(self.split) > 0,
+              "split", self.split, "must be two non-negative parts (whole numbers), scored:recent, not both 0")
 
     def n_recent(self, target: torch.Tensor) -> torch.Tensor:
         scored, recent = self.split
@@ -182,6 +186,11 @@ def check(ok: bool, parameter: str, value, requirement: str) -> None:
     """Raise a D2OError naming the parameter when a method option is out of range."""
     if not ok:
         raise D2OError(f"{parameter}={value!r} {requirement}")
+
+
+def whole(value) -> bool:
+    """A count: an int, not a bool (1.5 or true is no number of tokens)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 # -- registry -----------------------------------------------------------------------------------
@@ -233,4 +242,6 @@ def get_method(name: str, **options) -> Method:
         if not is_dataclass(part) or attribute not in {f.name for f in fields(part)}:
             raise D2OError(f"{name} has no option {key!r}")
         setattr(method, component, replace(part, **{attribute: value}))
+    if nested:
+        method.check_parts()
     return method

@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 import torch
 
 from d2o.engine.stats import AttentionStats, StatsRequest
+from d2o.errors import D2OError
 from d2o.methods.base import HeavyRecent, register
-from d2o.methods.scoring import AccumulatedAttention, Scoring
+from d2o.methods.scoring import VOTES, AccumulatedAttention, Scoring
 
 
 @register
@@ -30,6 +31,15 @@ class H2O(HeavyRecent):
     @property
     def needs_surprisal(self) -> bool:
         return self.scoring.needs_surprisal
+
+    def check_parts(self) -> None:
+        missing = [name for name in getattr(self.merge, "reads", ()) if name not in self.scoring.keeps]
+        if VOTES in missing:
+            raise D2OError(f"{self.name}: its merge weighs tokens by the votes of the latest queries, which "
+                           f"scoring.window={getattr(self.scoring, 'window', 0)!r} does not keep: use a window "
+                           f"of at least 1, or merge.attention=mass")
+        if missing:
+            raise D2OError(f"{self.name}: its merge reads {', '.join(missing)}, which its scoring does not keep")
 
     def stats_request(self, layer, n_query: int) -> StatsRequest:
         return self.scoring.stats_request(layer, n_query)

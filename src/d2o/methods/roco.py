@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from d2o.engine.stats import AttentionStats, StatsRequest
-from d2o.methods.base import HeavyRecent, check, register
+from d2o.methods.base import HeavyRecent, check, register, whole
 
 
 @register
@@ -30,7 +30,7 @@ class RoCo(HeavyRecent):
 
     def __post_init__(self):
         super().__post_init__()
-        check(self.window >= 1, "window", self.window, "must be at least 1")
+        check(whole(self.window) and self.window >= 1, "window", self.window, "must be at least 1")
 
     def stats_request(self, layer, n_query: int) -> StatsRequest:
         return StatsRequest(window=self.window)

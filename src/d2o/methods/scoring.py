@@ -25,6 +25,7 @@ class Scoring(Protocol):
     """The part of a method that scores tokens: the statistics it needs, and the scores."""
 
     needs_surprisal: bool
+    keeps: tuple[str, ...]  # the slot states it keeps (what a merge may weigh tokens by)
 
     def stats_request(self, layer, n_query: int) -> StatsRequest | None: ...
 
@@ -41,6 +42,10 @@ class AccumulatedAttention:
     query's attention), summed over the query heads of its KV head, in float32."""
 
     needs_surprisal: ClassVar[bool] = False
+
+    @property
+    def keeps(self) -> tuple[str, ...]:
+        return (MASS,)
 
     def stats_request(self, layer, n_query: int) -> StatsRequest:
         return StatsRequest(column_mass=True)
@@ -103,6 +108,10 @@ class BlendedScores(AccumulatedAttention):
     @property
     def needs_surprisal(self) -> bool:
         return self.surprisal > 0
+
+    @property
+    def keeps(self) -> tuple[str, ...]:
+        return (MASS,) + ((VOTES,) if self.window else ()) + ((SURPRISAL,) if self.surprisal else ())
 
     def stats_request(self, layer, n_query: int) -> StatsRequest:
         return StatsRequest(column_mass=True, window=self.window)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from d2o.engine.stats import AttentionStats, StatsRequest
-from d2o.methods.base import Method, check, register
+from d2o.methods.base import Method, check, register, whole
 
 POOLINGS = ("max", "avg")
 
@@ -33,7 +33,7 @@ class SnapKV(Method):
 
     def __post_init__(self):
         super().__post_init__()
-        check(self.window >= 1, "window", self.window, "must be at least 1")
+        check(whole(self.window) and self.window >= 1, "window", self.window, "must be at least 1")
         check(self.kernel >= 1 and self.kernel % 2 == 1, "kernel", self.kernel, "must be odd and positive")
         check(self.pooling in POOLINGS, "pooling", self.pooling, f"must be one of {', '.join(POOLINGS)}")
 
