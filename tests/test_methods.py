@@ -1,5 +1,7 @@
 """Every registered method through the same checks, and reference computations for four of them."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -8,6 +10,7 @@ import d2o
 from transformers import DynamicCache
 
 from d2o import Budget, D2OError, get_method
+from d2o.engine.stats import AttentionStats
 from d2o.methods import REGISTRY
 from d2o.methods import scoring
 from d2o.methods.base import HeavyRecent
@@ -179,12 +182,22 @@ def test_snapkv_keeps_the_pooled_window_votes(explicit):
     model, ids, attentions = explicit
     window, kernel = 32, 7
     for layer, attention in zip(kept_after_prefill(model, ids, "snapkv"), attentions):
-        votes = attention[:, -window:].sum(1)  # (H, S)
+        votes = attention[:, -window:, :-window].sum(1)  # (H, S - w): the prefix alone is pooled
         pooled = F.max_pool1d(votes[:, None], kernel, stride=1, padding=kernel // 2)[:, 0]
         scores = per_kv_head(pooled).mean(1)
         for head, kept in enumerate(layer):
             expected = set(range(PROMPT - window, PROMPT)) | top(scores[head], 60 - window, range(PROMPT - window))
             assert kept == expected
+
+
+def test_snapkv_pools_the_prefix_alone():
+    """The window's votes for its own tokens do not spill onto the prefix tokens just before it."""
+    window = torch.zeros(1, 1, 1, 4, 12)  # 4 queries over 12 slots, the last 4 their own tokens
+    window[..., 8:] = 1.0
+    window[..., 2] = 0.5
+    layer = SimpleNamespace(slot_state={})
+    get_method("snapkv", window=4).observe(layer, AttentionStats(4, window=window))
+    assert layer.slot_state["votes"][0, 0, :8].tolist() == [2.0] * 6 + [0.0, 0.0]
 
 
 def reference_spread(values, before, after):

@@ -19,7 +19,8 @@ class SnapKV(Method):
     """After the prefill, each prompt token is scored by the attention the last ``window`` prompt
     tokens (the observation window) pay it, summed over those queries, smoothed by 1-D pooling
     over positions (kernel 7, max pooling: the paper's LongBench configuration), then averaged
-    over the query heads of each KV head (kvpress's GQA rule). Each layer keeps the window and
+    over the query heads of each KV head (kvpress's GQA rule); the pooling runs over the prefix
+    only, as in the paper's code. Each layer keeps the window and
     its best-scored other tokens; nothing is evicted while decoding (the cache grows by the
     generated tokens)."""
 
@@ -50,6 +51,9 @@ class SnapKV(Method):
     def observe(self, layer, stats: AttentionStats) -> None:
         votes = stats.window.sum(dim=-2)  # (B, G, group, N): summed over the window's queries
         batch, heads, group, n = votes.shape
+        # The prefix is pooled alone (the window is kept anyway): the window's votes for its own
+        # tokens, strong and local, must not spill onto the prefix tokens just before it.
+        votes[..., n - stats.window.shape[-2]:] = 0.0
         flat = votes.reshape(-1, 1, n)
         pool = F.max_pool1d if self.pooling == "max" else F.avg_pool1d
         pooled = pool(flat, self.kernel, stride=1, padding=self.kernel // 2)
