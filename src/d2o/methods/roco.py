@@ -14,12 +14,17 @@ from d2o.methods.base import HeavyRecent, check, register, whole
 @register
 @dataclass
 class RoCo(HeavyRecent):
-    """Robust cache omission: a token's score is the mean attention it received from the last
-    ``window`` queries that could see it (the paper's temporal attention), summed over the query
-    heads of its KV head; among equal means, the lower standard deviation is evicted first (a
-    robustly unimportant token). Plus 4 sinks and a recent window of 10% of the budget (split
-    9:1), as the released code. The window's attention rows are kept per slot (``window`` floats
-    per token and KV head)."""
+    """Robust cache omission as D2O-SPEC section 8 states it: a token's score is the mean
+    attention it received from the last ``window`` queries that could see it, summed over the
+    query heads of its KV head; among equal means, the lower standard deviation is evicted first
+    (a robustly unimportant token). Plus 4 sinks and a recent window of 10% of the budget (split
+    9:1). The window's attention rows are kept per slot (``window`` floats per token and KV head).
+
+    The authors' released code (EasyKV, policy ``roco``) differs: its mean and standard deviation
+    run over every query since the token arrived (of the attention averaged over the group's
+    heads), the standard deviation bounds an eviction scope (the budget - recent - sinks tokens of
+    lowest deviation; the last 10 tokens and the sinks are never in it) and the lowest mean within
+    that scope is evicted; tokens of the 10% window other than the last 10 may go."""
 
     name = "roco"
     summary = "RoCo: mean attention over the last 32 queries (std breaks ties) + sinks + recent window"
