@@ -220,7 +220,8 @@ def test_d2o_plus_keeps_by_blended_scores_with_forward_spans(explicit):
         grouped = per_kv_head(attention)  # (G, group, S, S)
         mass = grouped.sum(dim=(1, 2))
         votes = reference_spread(grouped[:, :, -32:].amax(dim=(1, 2)), 3, 8)
-        scores = mass / mass.sum(-1, keepdim=True) + votes / votes.sum(-1, keepdim=True) + 2 * surprisal / surprisal.sum()
+        shares = [mass / mass.sum(-1, keepdim=True), votes / votes.sum(-1, keepdim=True), surprisal / surprisal.sum()]
+        scores = shares[0] + shares[1] + 2 * shares[2]
         for head, kept in enumerate(layer):
             expected = set(range(4)) | set(range(PROMPT - recent, PROMPT))
             assert kept == expected | top(scores[head], budget - len(expected), range(4, PROMPT - recent))

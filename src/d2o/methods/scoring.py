@@ -78,10 +78,11 @@ class BlendedScores(AccumulatedAttention):
 
     Votes and surprisal then spread in token order: a vote on a token reaches the ``span[0]``
     tokens before it and the ``span[1]`` after it (each token keeps the largest that reaches it;
-    ``span=(3, 3)`` is SnapKV's max-pool kernel of 7). Reading goes forward: a query that finds a token next reads the tokens
-    that follow it (the digits after a passkey's first, the rest of a needle's phrase, each found by
-    the previous one only once it is generated), so a vote reaches further forward than back; a
-    surprising token opens new information that runs on for a clause (``surprisal_span``).
+    ``span=(3, 3)`` is SnapKV's max-pool kernel of 7). Reading goes forward: a query that finds a
+    token next reads the tokens that follow it (the digits after a passkey's first, the rest of a
+    needle's phrase, each found by the previous one only once it is generated), so a vote reaches
+    further forward than back; a surprising token opens new information that runs on for a
+    clause (``surprisal_span``).
     """
 
     mean: bool = False
@@ -100,7 +101,8 @@ class BlendedScores(AccumulatedAttention):
             value = getattr(self, name)
             if (not isinstance(value, (tuple, list)) or len(value) != 2
                     or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in value)):
-                raise D2OError(f"{name}={value!r} must be two whole numbers >= 0: the tokens before and after a voted one")
+                raise D2OError(f"{name}={value!r} must be two whole numbers >= 0: the tokens before and after "
+                               f"a voted one")
             setattr(self, name, tuple(value))
         if not self.surprisal >= 0:
             raise D2OError(f"surprisal={self.surprisal!r} must be >= 0")
