@@ -274,6 +274,9 @@ def test_cam_merges_values_only_and_reproducibly():
         runs.append(cache.layers)
     for first, again, plain in zip(*runs):
         assert torch.equal(first.values, again.values) and int(first.merged) > 0  # seeded draws
+        # Each evicted token is merged with the probability the current query's attention gives
+        # (from accumulated attention that probability was 1: every one of the 210 was merged).
+        assert int(first.merged) < (150 - int(first.n_kept[0])) * first.keys.shape[1]
         # H2O's choice of tokens and keys; values received merges.
         assert torch.equal(first.token_index, plain.token_index)
         assert torch.equal(first.keys, plain.keys)

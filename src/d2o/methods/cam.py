@@ -8,25 +8,48 @@ from dataclasses import dataclass, field
 import torch
 
 from d2o.engine.policy import Evicted, Merge
-from d2o.methods.base import check, register
+from d2o.engine.stats import AttentionStats, StatsRequest
+from d2o.methods.base import check, register, whole
 from d2o.methods.h2o import H2O
+from d2o.methods.scoring import AccumulatedAttention, Scoring
+
+LAST_LOOK = "last_look"  # slot state: the attention the pass's last query paid each slot
+
+
+@dataclass
+class AccumulatedWithLastLook(AccumulatedAttention):
+    """H2O's scores, plus the attention the latest query (the pass's last) paid each held token,
+    averaged over the query heads of its KV head: what CaM's merge weighs a token by."""
+
+    @property
+    def keeps(self) -> tuple[str, ...]:
+        return (*super().keeps, LAST_LOOK)
+
+    def stats_request(self, layer, n_query: int) -> StatsRequest:
+        return StatsRequest(column_mass=True, window=1)
+
+    def observe(self, layer, stats: AttentionStats) -> None:
+        super().observe(layer, stats)
+        layer.slot_state[LAST_LOOK] = stats.window[:, :, :, -1].mean(dim=2)  # (B, G, N)
 
 
 @dataclass
 class ProminenceMerge:
     """CaM's merge: an evicted token's value is added, with probability p, to the ``span`` kept
-    tokens that follow it in the sequence, each receiving value / span; keys are dropped, not
-    merged. p = clamp(A_e / mean(A over those kept tokens), 0, 1), A the accumulated attention
-    (its prominence), drawn per KV head from a generator seeded by (seed, layer, tokens seen, row),
-    so runs are reproducible and a batch draws what its rows would alone."""
+    tokens that follow it in the sequence, each receiving value / span (fewer than ``span`` kept
+    after it: the rest is lost, as in the released code); keys are dropped, not merged.
+    p = clamp(a_e / mean(a over those kept tokens), 0, 1), a the attention the current query pays
+    each token (the released code's rule: the token leaving is merged when the query still looks
+    at it as much as at its neighbours). Drawn per KV head from a generator seeded by (seed,
+    layer, tokens seen, row), so runs are reproducible and a batch draws what its rows would alone."""
 
     span: int = 32
     seed: int = 0
 
     def __post_init__(self):
-        check(self.span >= 1, "span", self.span, "must be at least 1")
+        check(whole(self.span) and self.span >= 1, "span", self.span, "must be at least 1")
 
-    reads = ("mass",)
+    reads = (LAST_LOOK,)
 
     def new_state(self) -> None:
         return None
@@ -41,8 +64,8 @@ class ProminenceMerge:
         values = layer.values
         batch, heads, _ = evicted.token_index.shape
         merged = torch.zeros(batch, dtype=torch.long, device=values.device)
-        kept_prominence = layer.slot_state["mass"].sum(-1)  # (B, G, K)
-        gone_prominence = evicted.slot_state["mass"].sum(-1)  # (B, G, E)
+        kept_prominence = layer.slot_state[LAST_LOOK]  # (B, G, K)
+        gone_prominence = evicted.slot_state[LAST_LOOK]  # (B, G, E)
         for b in range(batch):
             n_keep, n_evict = int(layer.n_kept[b]), int(evicted.valid[b].sum())
             if not n_evict or not n_keep:
@@ -64,7 +87,7 @@ class ProminenceMerge:
                 mean = (target_prominence * weight).sum(-1) / weight.sum(-1).clamp_min(1)
                 ratio = torch.nan_to_num(gone_prominence[b, g, :n_evict] / mean, nan=0.0, posinf=1.0).clamp(0, 1)
                 chosen = (uniform[g] < ratio) & reachable.any(-1)
-                share = (weight * chosen[:, None].float()) / weight.sum(-1, keepdim=True).clamp_min(1)
+                share = weight * chosen[:, None].float() / self.span
                 contribution = share[..., None] * evicted.values[b, g, :n_evict][:, None, :].float()
                 values[b, g].index_add_(0, targets.flatten(), contribution.flatten(0, 1).to(values.dtype))
                 merged[b] += int(chosen.sum())
@@ -75,11 +98,14 @@ class ProminenceMerge:
 @dataclass
 class CaM(H2O):
     """H2O's eviction (accumulated attention, 1:1 heavy/recent split) whose evicted values are
-    merged into the following kept tokens with a probability given by their attention prominence
-    (Bernoulli mask, ``ProminenceMerge``). At the end of the prefill all evicted tokens are merged
-    at once; the paper merges them one by one as they leave the window."""
+    merged into the following kept tokens with a probability given by the current query's
+    attention (Bernoulli mask, ``ProminenceMerge``), as the paper's comparison with D2O sets it up.
+    The released code evicts as StreamingLLM does instead (sinks + a recent window, merging the
+    token that leaves the window). At the end of the prefill all evicted tokens are merged at once;
+    the paper merges them one by one as they leave the window."""
 
     name = "cam"
     summary = "CaM: H2O eviction + evicted values merged into the next kept tokens (Bernoulli)"
 
+    scoring: Scoring = field(default_factory=AccumulatedWithLastLook)
     merge: Merge | None = field(default_factory=ProminenceMerge)
