@@ -88,7 +88,7 @@ def serve(
     port: int = typer.Option(8000),
     max_queue: int = typer.Option(64, help="Requests waiting for memory; beyond, HTTP 503."),
     max_tokens: int = typer.Option(256, help="max_tokens of a request that does not say."),
-    replicas: int = typer.Option(0, help="N > 0: N replicas behind Ray Serve's proxy (pip install 'd2o[ray]')."),
+    replicas: int = typer.Option(0, help="N > 0: N replicas behind Ray Serve's proxy (pip install 'd2o\\[ray]')."),
     dtype: str = typer.Option("float32"),
     attention: str = typer.Option("sdpa"),
     device_map: Optional[str] = typer.Option(None, help="'auto': spread the layers over the GPUs (accelerate)."),
