@@ -280,3 +280,23 @@ def test_decode_steps_take_surprisal_from_the_logits_the_model_computed(monkeypa
     counter.remove()
     assert per_step == [1, 1, 1, 2, 1, 1]
     assert torch.allclose(seen[0][:, 1:].double(), reference[:, : ids.shape[1] - 1], atol=1e-5)
+
+
+def test_a_bare_decoder_compresses_and_refuses_surprisal_in_one_line():
+    """A model without its output head (LlamaModel) takes d2o's hook; a method that scores by
+    surprisal, which needs that head, says so."""
+    from transformers import LlamaConfig, LlamaModel
+
+    from conftest import SHAPE
+
+    torch.manual_seed(0)
+    model = LlamaModel(LlamaConfig(**SHAPE)).eval()
+    d2o.install(model)
+    cache = make_cache(model, "h2o", 0.5)
+    with torch.inference_mode():
+        model(input_ids=random_ids(40), cache=cache)
+    assert lengths(cache) == [20] * 4
+    with pytest.raises(d2o.D2OError, match="sirllm scores tokens by surprisal: it needs a model with its output"):
+        with torch.inference_mode():
+            model(input_ids=random_ids(40), cache=make_cache(model, "sirllm", 0.5))
+    d2o.uninstall(model)

@@ -256,6 +256,9 @@ def _install_hooks(decoder, lm_head) -> tuple:
                 input_ids = kwargs.get("input_ids", args[0] if args else None)
                 if input_ids is None:
                     raise D2OError(f"{cache.policy.name} scores tokens by surprisal: give input_ids, not embeddings")
+                if lm_head is None:
+                    raise D2OError(f"{cache.policy.name} scores tokens by surprisal: it needs a model with its output "
+                                   f"head (a ...ForCausalLM), not the bare decoder")
                 cache.observe_tokens(input_ids, output.last_hidden_state, lm_head)
                 awaiting_logits.append(cache)
             cache.end_of_forward()
@@ -264,5 +267,5 @@ def _install_hooks(decoder, lm_head) -> tuple:
         if awaiting_logits:
             awaiting_logits.pop().observe_logits(args[0][:, -1], output[:, -1])
 
-    return (decoder.register_forward_hook(end_of_decoder, with_kwargs=True),
-            lm_head.register_forward_hook(logits))
+    handles = (decoder.register_forward_hook(end_of_decoder, with_kwargs=True),)
+    return handles if lm_head is None else (*handles, lm_head.register_forward_hook(logits))
