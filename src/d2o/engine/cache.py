@@ -194,8 +194,9 @@ class CompressedCache(Cache):
         valid = first.token_index[:, 0].gather(1, first.fresh_slots(input_ids.shape[1])[:, 0]) >= 0
         # The model's own logits of the last pass, if they were computed from the very hidden states
         # kept here (not when rows were selected, joined or forked since, nor for another input).
-        known = self._last_logits is not None and self._last_hidden is not None \
-            and torch.equal(self._last_logits[0], self._last_hidden)
+        known = (self._last_logits is not None and self._last_hidden is not None
+                 and self._last_logits[0].device == self._last_hidden.device  # layers spread over devices
+                 and torch.equal(self._last_logits[0], self._last_hidden))
         surprisal, self._last_hidden = token_surprisal(input_ids, hidden, lm_head, valid, self._last_hidden,
                                                        self._last_logits[1] if known else None)
         self._last_logits = None
