@@ -300,6 +300,28 @@ def test_sirllm_keeps_the_most_surprising_tokens():
         assert all(set(head.tolist()) == expected for head in layer.token_index[0])
 
 
+@pytest.mark.parametrize("look, merged", [(0.4, 1), (0.0, 0)])
+def test_cam_merges_by_the_current_querys_look_into_the_next_span(look, merged):
+    """Token 3 leaves a layer holding tokens 0-9; the current query looks at the two kept tokens
+    after it (span 2) with 0.2 each and at it with ``look``: p = look / 0.2, clamped (here 1 or 0).
+    Merged, each of the two receives value / span."""
+    from d2o.engine.policy import Evicted
+    from d2o.methods.cam import LAST_LOOK, ProminenceMerge
+
+    kept = torch.tensor([0, 1, 2, 4, 5, 6, 7, 8, 9])
+    values = torch.zeros(1, 1, 9, 2)
+    layer = SimpleNamespace(values=values, token_index=kept.view(1, 1, 9), valid=torch.ones(1, 1, 9, dtype=torch.bool),
+                            n_kept=torch.tensor([9]), real_seen=torch.tensor([10]), layer_idx=0,
+                            slot_state={LAST_LOOK: torch.full((1, 1, 9), 0.2)})
+    gone = Evicted(keys=torch.zeros(1, 1, 1, 2), values=torch.tensor([[[[4.0, -2.0]]]]),
+                   token_index=torch.tensor([[[3]]]), valid=torch.ones(1, 1, dtype=torch.bool),
+                   slot_state={LAST_LOOK: torch.full((1, 1, 1), look)})
+    assert ProminenceMerge(span=2).merge([layer], [gone])[0].tolist() == [merged]
+    expected = torch.zeros(9, 2)
+    expected[3:5] = torch.tensor([2.0, -1.0]) * merged  # tokens 4 and 5, slots 3 and 4
+    assert torch.equal(values[0, 0], expected)
+
+
 @pytest.mark.parametrize("name, options, budget, parameter", [
     ("snapkv", {"window": 64}, 0.3, "window 64"),
     ("snapkv", {"kernel": 4}, 0.3, "kernel=4 must be odd"),
