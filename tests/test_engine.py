@@ -4,13 +4,13 @@ import copy
 
 import pytest
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, LlamaConfig, LlamaModel
 
 import d2o
 from d2o import Budget
 from d2o.budget import UNLIMITED
 
-from conftest import DENSE, greedy, kept_tokens, left_pad, make_cache, random_ids, tiny_model
+from conftest import DENSE, SHAPE, greedy, kept_tokens, left_pad, make_cache, random_ids, tiny_model
 
 ARCHS = DENSE
 
@@ -285,10 +285,6 @@ def test_decode_steps_take_surprisal_from_the_logits_the_model_computed(monkeypa
 def test_a_bare_decoder_compresses_and_refuses_surprisal_in_one_line():
     """A model without its output head (LlamaModel) takes d2o's hook; a method that scores by
     surprisal, which needs that head, says so."""
-    from transformers import LlamaConfig, LlamaModel
-
-    from conftest import SHAPE
-
     torch.manual_seed(0)
     model = LlamaModel(LlamaConfig(**SHAPE)).eval()
     d2o.install(model)

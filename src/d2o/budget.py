@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from d2o.errors import D2OError
+from d2o.options import whole
 
 UNLIMITED = -1  # a layer budget that never evicts (an exempt layer, or a budget covering everything)
 # No layer of a ratio budget is brought below min(tokens seen, MIN_TOKENS): short prompts keep
@@ -34,7 +35,7 @@ class Budget:
             raise D2OError(f"budget ratio must be in (0, 1], got {self.ratio:g}")
         if self.tokens is not None and self.tokens < 1:
             raise D2OError(f"budget must be at least 1 token per layer, got {self.tokens}")
-        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+        if not whole(self.min_tokens) or self.min_tokens < 0:
             raise D2OError(f"min_tokens must be a whole number >= 0, got {self.min_tokens!r}")
 
     @classmethod

@@ -7,6 +7,11 @@ import re
 from d2o.errors import D2OError
 
 
+def whole(value) -> bool:
+    """A count: an int, not a bool (1.5 or true is no number of tokens)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def parse_options(pairs: list[str], flag: str = "--option") -> dict:
     """``["split=3:1", "alpha=0.3"]`` -> ``{"split": (3, 1), "alpha": 0.3}`` (dashes in names become _)."""
     options = {}

@@ -9,8 +9,8 @@ first token (p50/p95), how many requests ran at once, and the KV bytes held at m
 from __future__ import annotations
 
 import asyncio
-import math
 import json
+import math
 import statistics
 import time
 

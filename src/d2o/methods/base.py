@@ -29,6 +29,7 @@ from d2o.engine.stats import AttentionStats, StatsRequest
 from d2o.errors import D2OError
 from d2o.methods.allocation import Allocation, Uniform, allocation_named, conserve
 from d2o.methods.scoring import scoring_named
+from d2o.options import whole
 
 if TYPE_CHECKING:
     from d2o.engine.cache import CompressedCache
@@ -186,11 +187,6 @@ def check(ok: bool, parameter: str, value, requirement: str) -> None:
     """Raise a D2OError naming the parameter when a method option is out of range."""
     if not ok:
         raise D2OError(f"{parameter}={value!r} {requirement}")
-
-
-def whole(value) -> bool:
-    """A count: an int, not a bool (1.5 or true is no number of tokens)."""
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 # -- registry -----------------------------------------------------------------------------------

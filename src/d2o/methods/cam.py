@@ -9,9 +9,10 @@ import torch
 
 from d2o.engine.policy import Evicted, Merge
 from d2o.engine.stats import AttentionStats, StatsRequest
-from d2o.methods.base import check, register, whole
+from d2o.methods.base import check, register
 from d2o.methods.h2o import H2O
 from d2o.methods.scoring import AccumulatedAttention, Scoring
+from d2o.options import whole
 
 LAST_LOOK = "last_look"  # slot state: the attention the pass's last query paid each slot
 

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from d2o.engine.stats import AttentionStats, StatsRequest
-from d2o.methods.base import HeavyRecent, check, register, whole
+from d2o.methods.base import HeavyRecent, check, register
+from d2o.options import whole
 
 
 @register

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from d2o.engine.stats import AttentionStats, StatsRequest
 from d2o.errors import D2OError
+from d2o.options import whole
 
 MASS, VOTES, SURPRISAL = "mass", "votes", "surprisal"  # slot state
 
@@ -93,14 +94,14 @@ class BlendedScores(AccumulatedAttention):
     surprisal_span: tuple[int, int] = (3, 16)
 
     def __post_init__(self):
-        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 0:
+        if not whole(self.window) or self.window < 0:
             raise D2OError(f"window={self.window!r} must be a whole number >= 0")
         if self.votes not in VOTE_RULES:
             raise D2OError(f"votes={self.votes!r} must be one of {', '.join(VOTE_RULES)}")
         for name in ("span", "surprisal_span"):
             value = getattr(self, name)
             if (not isinstance(value, (tuple, list)) or len(value) != 2
-                    or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in value)):
+                    or any(not whole(v) or v < 0 for v in value)):
                 raise D2OError(f"{name}={value!r} must be two whole numbers >= 0: the tokens before and after "
                                f"a voted one")
             setattr(self, name, tuple(value))

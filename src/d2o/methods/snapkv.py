@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from d2o.engine.stats import AttentionStats, StatsRequest
-from d2o.methods.base import Method, check, register, whole
+from d2o.methods.base import Method, check, register
+from d2o.options import whole
 
 POOLINGS = ("max", "avg")
 
@@ -20,9 +21,8 @@ class SnapKV(Method):
     tokens (the observation window) pay it, summed over those queries, smoothed by 1-D pooling
     over positions (kernel 7, max pooling: the paper's LongBench configuration), then averaged
     over the query heads of each KV head (kvpress's GQA rule); the pooling runs over the prefix
-    only, as in the paper's code. Each layer keeps the window and
-    its best-scored other tokens; nothing is evicted while decoding (the cache grows by the
-    generated tokens)."""
+    only, as in the paper's code. Each layer keeps the window and its best-scored other tokens;
+    nothing is evicted while decoding (the cache grows by the generated tokens)."""
 
     name = "snapkv"
     summary = "SnapKV: observation-window votes (w=32, max-pool 7) after prefill, no decode eviction"

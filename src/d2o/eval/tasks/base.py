@@ -93,8 +93,7 @@ def _typed(task: str, key: str, value, default):
     list of one); a value of another type is refused, naming the option."""
     if isinstance(default, tuple):
         values = value if isinstance(value, tuple) else (value,)
-        kind = type(default[0]) if default else None
-        return tuple(_typed(task, key, item, kind()) if kind is not None else item for item in values)
+        return tuple(_typed(task, key, item, default[0]) if default else item for item in values)
     if default is None:
         return value
     kind = type(default)

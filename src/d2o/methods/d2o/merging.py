@@ -23,6 +23,7 @@ from d2o.engine.selection import take_rows
 from d2o.engine.storage import RowState
 from d2o.errors import D2OError
 from d2o.methods.scoring import MASS, VOTES
+from d2o.options import whole
 
 SIMILARITY_ON = ("key", "value")
 WEIGHTINGS = ("paper", "official", "normalized", "count", "attention")
@@ -84,12 +85,11 @@ class SimilarityMerge:
                                                                                ATTENTION_STATES)):
             if value not in allowed:
                 raise D2OError(f"{name}={value!r} must be one of {', '.join(allowed)}")
-        if self.max_merges is not None and (isinstance(self.max_merges, bool) or not isinstance(self.max_merges, int)
-                                            or self.max_merges < 0):
+        if self.max_merges is not None and (not whole(self.max_merges) or self.max_merges < 0):
             raise D2OError(f"max_merges={self.max_merges!r} must be a whole number >= 0 (or None: no cap)")
         for name in ("skip_first", "skip_newest"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            if not whole(value) or value < 0:
                 raise D2OError(f"{name}={value!r} must be a whole number >= 0")
         for name in ("mass", "values_only"):
             if not isinstance(getattr(self, name), bool):
