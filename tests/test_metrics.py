@@ -39,6 +39,12 @@ def test_rouge_l_is_the_union_lcs_over_distinct_words():
     # the hypothesis has 5 distinct words: R = 3/4, P = 3/5, F = 2/3.
     assert rouge_l("a b c d e", "a b. x d") == pytest.approx(2 / 3, abs=1e-6)
     assert rouge_l("", "a b") == 0.0 and rouge_l("same words", "same words") == pytest.approx(1.0, abs=1e-6)
+    # Two LCS of "a c c" (reference) and "c a c": "a c" and "c c"; the package rebuilds "c c" (on a
+    # tie it steps back in the hypothesis), one distinct word of two: P = R = 1/2.
+    assert rouge_l("c a c", "a c c") == pytest.approx(0.5, abs=1e-6)
+    # A part of blanks after the last "." is a sentence of one empty word: the hypothesis has 3
+    # distinct words, the reference 2 (its part after "." is empty, dropped): R = 1, P = 2/3.
+    assert rouge_l("Summary: good. ", "Summary: good.") == pytest.approx(0.8, abs=1e-6)
 
 
 def test_classification_gives_partial_credit_and_drops_contained_names():

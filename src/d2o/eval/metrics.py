@@ -54,7 +54,9 @@ def qa_scores(prediction: str, golds: list[str]) -> dict[str, float]:
 
 # -- ROUGE-L ------------------------------------------------------------------------------------
 def _lcs_words(a: list[str], b: list[str]) -> list[str]:
-    """One longest common subsequence of two word lists (dynamic programming, iterative backtrace)."""
+    """The longest common subsequence of two word lists that the ``rouge`` package reconstructs:
+    several may exist, and which one is taken decides which distinct words count, so its tie
+    rule is kept (on a tie, step back in ``b``)."""
     table = [[0] * (len(b) + 1) for _ in range(len(a) + 1)]
     for i, word_a in enumerate(a, 1):
         for j, word_b in enumerate(b, 1):
@@ -64,7 +66,7 @@ def _lcs_words(a: list[str], b: list[str]) -> list[str]:
         if a[i - 1] == b[j - 1]:
             words.append(a[i - 1])
             i, j = i - 1, j - 1
-        elif table[i - 1][j] >= table[i][j - 1]:
+        elif table[i - 1][j] > table[i][j - 1]:
             i -= 1
         else:
             j -= 1
@@ -72,7 +74,8 @@ def _lcs_words(a: list[str], b: list[str]) -> list[str]:
 
 
 def _sentences(text: str) -> list[list[str]]:
-    return [" ".join(part.split()).split(" ") for part in text.split(".") if part.strip()]
+    """Split on "." as the package does: a part of blanks only is a sentence of one empty word."""
+    return [" ".join(part.split()).split(" ") for part in text.split(".") if part]
 
 
 def rouge_l(prediction: str, reference: str) -> float:
