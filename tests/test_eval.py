@@ -52,6 +52,12 @@ def test_sweep_writes_results_and_resumes(real_model, tmp_path):
     shared = {key(line): line["prediction"] for line in lines(out)}
     assert {key(line): line["prediction"] for line in lines(separate)} == shared
 
+    # A run of fewer samples at another budget summarises its own runs only, not the folder's.
+    rows = run_eval(EvalConfig(methods=("full", "h2o"), out=str(out), **{**PASSKEY, "limit": 1, "budgets": ("0.2",)}),
+                    progress=False)
+    assert {(r["method"], r["budget"], r["n"]) for r in rows} == {("full", "1", 1), ("h2o", "0.2", 1)}
+    assert "budget 0.5" not in (out / "summary.md").read_text()
+
 
 def test_bad_input_leaves_results_intact(real_model, tmp_path):
     out = tmp_path / "run"

@@ -15,7 +15,6 @@ from d2o.eval.results import FULL_BUDGET, _budget_key  # noqa: E402
 
 
 def write_plots(out: Path, lines: list[dict], rows: list[dict], task) -> list[Path]:
-    lines = [line for line in lines if line["task"] == task.name]
     written = [score_vs_budget(out, rows, task)]
     if task.name == "niah":
         written += niah_heatmaps(out, lines)

@@ -65,13 +65,20 @@ def task_label(line: dict) -> str:
     return f"{line['task']}/{line['subtask']}" if line.get("subtask") else line["task"]
 
 
-def summarize(lines: list[dict], task, config) -> list[dict]:
-    """Mean main score per (task, method, budget) over the samples of this configuration."""
-    wanted_methods = set(config.methods)
+def of_this_run(lines: list[dict], task, sample_ids: set[str], runs) -> list[dict]:
+    """The lines of this run's samples and (method, budget) runs. A folder also keeps what earlier
+    runs of its configuration computed (more samples, other methods or budgets): summarised with
+    them, a cell would mix sample sets."""
+    wanted = {(run.method, str(run.budget)) for run in runs}
+    return [line for line in lines if line["task"] == task.name and line["sample_id"] in sample_ids
+            and (line["method"], line["budget"]) in wanted]
+
+
+def summarize(lines: list[dict], config) -> list[dict]:
+    """Mean main score per (task label, method, budget) of ``lines`` (``of_this_run``'s)."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for line in lines:
-        if line["task"] == task.name and line["method"] in wanted_methods:
-            groups[(task_label(line), line["method"], line["budget"])].append(line)
+        groups[(task_label(line), line["method"], line["budget"])].append(line)
     order = {name: i for i, name in enumerate(config.methods)}
     rows = [
         {"task": label, "method": method, "budget": budget, "score": round(fmean(run["score"] for run in group), 4),

@@ -105,9 +105,10 @@ def run_eval(config: EvalConfig, progress: bool = True) -> list[dict]:
         if todo:
             for outcome in task.run(runner, sample, *encoded[sample.id], todo):
                 store.append(results.result_line(task, sample, outcome))
-    rows = results.summarize(store.read(), task, config)
+    lines = results.of_this_run(store.read(), task, {sample.id for sample in samples}, runs)
+    rows = results.summarize(lines, config)
     results.write_summaries(out, rows, task, config)
-    plots.write_plots(out, store.read(), rows, task)
+    plots.write_plots(out, lines, rows, task)
     return rows
 
 
