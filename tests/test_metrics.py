@@ -7,6 +7,7 @@ import pytest
 from d2o import D2OError
 from d2o.eval.metrics import (
     best_over,
+    coqa_scores,
     classification_score,
     code_sim_score,
     count_score,
@@ -29,6 +30,14 @@ def test_squad_normalisation_f1_and_exact_match():
     assert exact_match("the Broncos.", "Broncos") == 1.0
     assert best_over(qa_f1, "Santa Clara", ["Levi's Stadium", "Santa Clara, California"]) == pytest.approx(0.8)
     assert qa_f1("", "anything") == 0.0
+
+
+def test_coqa_scores_leave_each_gold_out():
+    # Golds white x3, grey: leaving a "white" out, the best of the rest is "grey" (1); leaving "grey"
+    # out, 0. Mean 3/4, where the best over all would say 1.
+    assert coqa_scores("grey", ["white", "white", "white", "grey"]) == {"f1": 0.75, "exact_match": 0.75}
+    assert coqa_scores("white", ["white", "white", "white", "grey"]) == {"f1": 1.0, "exact_match": 1.0}
+    assert coqa_scores("a white cat", ["white"]) == {"f1": pytest.approx(2 / 3), "exact_match": 0.0}
 
 
 def test_rouge_l_is_the_union_lcs_over_distinct_words():

@@ -1,4 +1,4 @@
-"""Scores: SQuAD's F1 and exact match, ROUGE-L, and LongBench's official metrics.
+"""Scores: SQuAD's and CoQA's F1 and exact match, ROUGE-L, and LongBench's official metrics.
 
 LongBench's metrics are restated from its ``metrics.py`` (v1): QA F1 over SQuAD-normalised words;
 ROUGE-L as the ``rouge`` package computes it (sentences split on ".", summary-level union LCS
@@ -13,6 +13,7 @@ import difflib
 import re
 import string
 from collections import Counter
+from statistics import fmean
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCTUATION = set(string.punctuation)
@@ -50,6 +51,19 @@ def best_over(metric, prediction: str, golds: list[str]) -> float:
 def qa_scores(prediction: str, golds: list[str]) -> dict[str, float]:
     """SQuAD's F1 and exact match, each the best over the gold answers."""
     return {"f1": best_over(qa_f1, prediction, golds), "exact_match": best_over(exact_match, prediction, golds)}
+
+
+def leave_one_out(metric, prediction: str, golds: list[str]) -> float:
+    """CoQA's rule: with n > 1 gold answers (repeats count), the mean over each one left out of the
+    best score against the others, so a prediction is scored as one more annotator would be."""
+    if len(golds) <= 1:
+        return best_over(metric, prediction, golds)
+    return fmean(best_over(metric, prediction, golds[:i] + golds[i + 1:]) for i in range(len(golds)))
+
+
+def coqa_scores(prediction: str, golds: list[str]) -> dict[str, float]:
+    """CoQA's official F1 and exact match (SQuAD's normalisation, ``leave_one_out`` over the golds)."""
+    return {"f1": leave_one_out(qa_f1, prediction, golds), "exact_match": leave_one_out(exact_match, prediction, golds)}
 
 
 # -- ROUGE-L ------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import random
 from dataclasses import dataclass
 
 from d2o.eval.downloads import BIGBENCH, archive_member
-from d2o.eval.metrics import qa_scores
+from d2o.eval.metrics import coqa_scores
 from d2o.eval.tasks.base import Sample, Task, asked, chat_prompt, pack_passages, register_task, take
 
 INSTRUCTION = "Read the stories below, then answer the questions about them briefly.\n\n"
@@ -18,7 +18,7 @@ INSTRUCTION = "Read the stories below, then answer the questions about them brie
 class Coqa(Task):
     """For each story, one turn of its conversation, asked after the earlier turns (questions
     with their gold answers); the story sits among other stories to about ``length`` tokens.
-    Scored by F1 and exact match against the turn's answer and its additional answers."""
+    Scored by CoQA's F1 and exact match against the turn's answer and its additional answers."""
 
     name = "coqa"
     summary = "CoQA conversational QA, stories packed to a long context; F1 / exact match"
@@ -36,10 +36,10 @@ class Coqa(Task):
         for story in take(stories, limit or 50, seed):
             questions, answers = story["questions"], story["answers"]
             turn = rng.randrange(min(len(questions), len(answers)))
-            golds = {answers[turn]["input_text"]}
+            golds = [answers[turn]["input_text"]]  # every annotator's answer, repeats too (CoQA's scorer counts them)
             for extra in story.get("additional_answers", {}).values():
                 if turn < len(extra):
-                    golds.add(extra[turn]["input_text"])
+                    golds.append(extra[turn]["input_text"])
             others = [s["story"] for s in rng.sample(stories, 40) if s["id"] != story["id"]]
             context, position = pack_passages(tokenizer, story["story"], others, self.length - 120, rng)
             dialogue = "".join(f"Q: {questions[t]['input_text']}\nA: {answers[t]['input_text']}\n"
@@ -47,10 +47,10 @@ class Coqa(Task):
             question = f"\n\n{dialogue}Q: {questions[turn]['input_text']}\nA:"
             prompt, special_tokens = chat_prompt(tokenizer, f"{INSTRUCTION}{context}{question}") if self.chat \
                 else (f"{INSTRUCTION}{context}{question}", True)
-            samples.append(Sample(f"coqa-{story['id']}-{turn}-{self.length}", prompt, sorted(golds),
+            samples.append(Sample(f"coqa-{story['id']}-{turn}-{self.length}", prompt, golds,
                                   max_new_tokens=24, stop=("\n",), special_tokens=special_tokens,
                                   question=asked(prompt, question), meta={"turn": turn, "position": position}))
         return samples
 
     def score(self, prediction, sample):
-        return qa_scores(prediction, sample.gold)
+        return coqa_scores(prediction, sample.gold)
