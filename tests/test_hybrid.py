@@ -104,3 +104,26 @@ def test_the_memory_plan_counts_sliding_layers_at_their_window(name):
     slot = 2 * 2 * 16 * 4
     assert need.prefill_bytes == 4 * 100 * slot
     assert most == need.held_bytes - (slot * 2 if name == "full" else 0)  # full never feeds its last token
+
+
+def test_a_model_sliding_in_every_layer_keeps_its_window_and_refuses_compression():
+    # Mistral 7B v0.1's kind of config: a sliding_window and no layer_types, so every layer slides.
+    from d2o import D2OError
+    from d2o.methods import get_method
+    from d2o.runtime.memory import plan
+
+    model = tiny_model("mistral", sliding_window=WINDOW)
+    ids, follow = random_ids(40), random_ids(6, seed=4)
+    cache = make_cache(model, "full", 1.0)
+    ours = [forward(model, ids, cache)] + [forward(model, follow[:, i:i + 1], cache) for i in range(6)]
+    model.set_attn_implementation("sdpa")
+    reference = DynamicCache(config=model.config)
+    stock = [forward(model, ids, reference)] + [forward(model, follow[:, i:i + 1], reference) for i in range(6)]
+    for a, b in zip(ours, stock):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    assert [int(layer.n_kept) for layer in cache.layers] == [layer.keys.shape[2] for layer in reference.layers] \
+        == [WINDOW - 1] * len(cache.layers)
+    with pytest.raises(D2OError, match="every layer of this model attends over a sliding window of 16 tokens"):
+        make_cache(model, "d2o", 0.5)
+    with pytest.raises(D2OError, match="every layer of this model attends over a sliding window"):
+        plan(model.config, get_method("h2o"), Budget.parse(0.5), 40, 8)

@@ -41,10 +41,24 @@ NEWEST = _Newest()
 
 def sliding_windows(config) -> list[int | None]:
     """Per layer: its sliding window, or None for a layer that attends to every token (the layers
-    a budget shares). Hybrid models (Gemma 3) name each layer's kind in ``layer_types``."""
-    kinds = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    a budget shares). Hybrid models (Gemma 3) name each layer's kind in ``layer_types``; a config
+    without them slides in every layer when it has a ``sliding_window`` (Mistral 7B v0.1), as
+    transformers reads it (its attention masks so, and its own cache keeps the window)."""
     window = getattr(config, "sliding_window", None)
+    kinds = getattr(config, "layer_types", None) or \
+        ["sliding_attention" if window is not None else "full_attention"] * config.num_hidden_layers
     return [window if kind == "sliding_attention" and window else None for kind in kinds]
+
+
+def compressible_layers(windows: list[int | None], budget: Budget) -> list[int]:
+    """The layers a budget shares: those attending to every token (a sliding-window layer keeps its
+    window, as the stock cache does). A model whose every layer slides has none to compress."""
+    layers = [i for i, window in enumerate(windows) if window is None]
+    if not layers and not budget.unlimited:
+        raise D2OError(f"every layer of this model attends over a sliding window of {windows[0]} tokens, so its "
+                       f"cache is bounded by the window already; d2o's methods compress full-attention layers, and "
+                       f"it has none (within the window, the same model with sliding_window=None attends alike)")
+    return layers
 
 
 class CompressedCache(Cache):
@@ -80,9 +94,9 @@ class CompressedCache(Cache):
         self.n_layers = config.num_hidden_layers
         groups = config.num_attention_heads // config.num_key_value_heads
         self.kv_repeats = groups if policy.repeats_kv_heads else 1
-        super().__init__(layers=[CompressedLayer(self, i, window) for i, window in enumerate(sliding_windows(config))])
-        # Sliding-window layers keep their window, as the stock cache does; the policy compresses the others.
-        self.compressible = [layer.layer_idx for layer in self.layers if layer.window is None]
+        windows = sliding_windows(config)
+        self.compressible = compressible_layers(windows, self.budget)
+        super().__init__(layers=[CompressedLayer(self, i, window) for i, window in enumerate(windows)])
         if self.budget.unlimited and not observe:  # nothing will ever be evicted: no statistics
             for layer in self.layers:
                 layer.observing = False
@@ -231,6 +245,8 @@ class CompressedCache(Cache):
         elif not self.policy.evicts_during_decode:
             return
         layers = [self.layers[index] for index in self.compressible]
+        if not layers:  # every layer slides (the full cache of such a model)
+            return
         kept = torch.stack([layer.n_kept for layer in layers])
         limit = self._limit(torch.stack([layer.budget for layer in layers]),
                             torch.stack([layer.real_seen for layer in layers]))

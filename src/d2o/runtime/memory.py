@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from d2o.budget import UNLIMITED, Budget
-from d2o.engine.cache import sliding_windows
+from d2o.engine.cache import compressible_layers, sliding_windows
 from d2o.methods.base import Method
 
 
@@ -49,8 +49,8 @@ def plan(config, method: Method, budget: Budget, prompt_tokens: int, new_tokens:
     windows = sliding_windows(config.get_text_config())
     per_slot = slot_bytes(config, dtype_bytes, method)
     length = prompt_tokens + new_tokens
-    compressible = [i for i, window in enumerate(windows) if window is None]
-    exempt = len({compressible[i % len(compressible)] for i in method.exempt_layers})
+    compressible = compressible_layers(windows, budget)
+    exempt = len({compressible[i % len(compressible)] for i in method.exempt_layers}) if compressible else 0
     active = len(compressible) - exempt
     if method.keeps_everything or budget.unlimited or not method.conserves_budget:
         held = len(compressible) * length
