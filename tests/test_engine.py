@@ -296,3 +296,18 @@ def test_a_bare_decoder_compresses_and_refuses_surprisal_in_one_line():
         with torch.inference_mode():
             model(input_ids=random_ids(40), cache=make_cache(model, "sirllm", 0.5))
     d2o.uninstall(model)
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 0.9), (20, 1.0), (20, 0.5), (1, 1.0)])
+def test_sampling_distribution_is_transformers_temperature_top_k_then_top_p(top_k, top_p):
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    from d2o.runtime.decoding import Sampling
+
+    logits = torch.randn(500, generator=torch.Generator().manual_seed(3)) * 3
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(0.7)] + ([TopKLogitsWarper(top_k)] if top_k else [])
+                                  + ([TopPLogitsWarper(top_p)] if top_p < 1 else []))
+    expected = torch.softmax(warpers(None, logits[None].clone())[0], -1)
+    ours = Sampling(temperature=0.7, top_p=top_p, top_k=top_k).probabilities(logits)
+    assert int((ours > 0).sum()) == int((expected > 0).sum()) < 500
+    torch.testing.assert_close(ours, expected, atol=1e-6, rtol=1e-5)

@@ -18,3 +18,12 @@ def test_a_conversation_and_a_single_turn(real_model):
         encode(tokenizer, [[{"role": "user", "content": "  "}]], chat=True)
     with pytest.raises(D2OError, match="chat template"):
         encode(tokenizer, [[{"role": "user", "content": "hi"}]], chat=False)
+
+
+def test_generate_takes_one_conversation_as_one_prompt(real_model):
+    from d2o.runtime.generation import generate
+
+    model, tokenizer = real_model
+    turn = [{"role": "user", "content": "What is 2+2?"}]
+    one = generate(model, tokenizer, turn, "full", 1.0, chat=True, max_new_tokens=4)
+    assert one.texts == generate(model, tokenizer, "What is 2+2?", "full", 1.0, chat=True, max_new_tokens=4).texts

@@ -39,6 +39,7 @@ def generate(
     sample: bool = typer.Option(False, "--sample", help="Sample instead of greedy decoding."),
     temperature: float = typer.Option(1.0, help="With --sample: the softmax temperature."),
     top_p: float = typer.Option(1.0, help="With --sample: the nucleus."),
+    top_k: int = typer.Option(0, help="With --sample: draw among the k likeliest tokens (0: all)."),
     seed: Optional[int] = typer.Option(None, help="With --sample: the seed of the draws."),
     attention: str = typer.Option("sdpa", help="Kernel for the attention output: sdpa or eager."),
     dtype: str = typer.Option("float32", help="float32, float16 or bfloat16."),
@@ -62,7 +63,7 @@ def generate(
     chosen, parsed_budget = resolve(method, parsed_budget, **options)  # before the model loads
     net, tokenizer = load(model, dtype=dtype, attention=attention)
     result = run(net, tokenizer, text, chosen, parsed_budget, max_new_tokens=max_new_tokens, chat=chat,
-                 temperature=temperature if sample else 0.0, top_p=top_p, seed=seed)
+                 temperature=temperature if sample else 0.0, top_p=top_p, top_k=top_k, seed=seed)
     report = result.report
     if as_json:
         summary = report.as_dict()

@@ -21,24 +21,41 @@ from d2o.errors import D2OError
 @dataclass(frozen=True)
 class Sampling:
     """How a row picks its next token: greedy when ``temperature`` is 0, else sampling from the
-    softmax at that temperature within the nucleus ``top_p``, from its own generator (``seed``),
-    so a row draws the same tokens whatever batch it runs in."""
+    softmax at that temperature among the ``top_k`` likeliest tokens (0: all), then within the
+    nucleus ``top_p`` of what is left, renormalised (transformers' order), from the row's own
+    generator (``seed``), so a row draws the same tokens whatever batch it runs in."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    top_k: int = 0
 
     def __post_init__(self):
         if not self.temperature >= 0.0:
             raise D2OError(f"temperature={self.temperature!r} must be >= 0 (0: greedy)")
         if not 0.0 < self.top_p <= 1.0:
             raise D2OError(f"top_p={self.top_p!r} must be in (0, 1]")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise D2OError(f"top_k={self.top_k!r} must be a whole number >= 0 (0: no limit)")
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             raise D2OError(f"seed={self.seed} must fit in 64 bits")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
+        """The distribution (vocab,) a sampled token is drawn from, given next-token ``logits``."""
+        probs = torch.softmax(logits.float() / self.temperature, dim=-1).cpu()
+        if 0 < self.top_k < probs.shape[-1]:  # ties with the k-th stay, as in transformers
+            probs = probs.masked_fill(probs < probs.topk(self.top_k).values[-1], 0.0)
+            probs /= probs.sum()
+        if self.top_p < 1.0:
+            sorted_probs, order = probs.sort(descending=True)
+            outside = sorted_probs.cumsum(-1) - sorted_probs >= self.top_p  # the first always stays
+            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs.masked_fill(outside, 0.0))
+            probs /= probs.sum()
+        return probs
 
 
 class Sequence:
@@ -77,12 +94,7 @@ class Sequence:
         """The next token from the next-token ``logits`` (vocab,)."""
         if self._generator is None:
             return int(logits.argmax())
-        probs = torch.softmax(logits.float() / self.sampling.temperature, dim=-1).cpu()
-        if self.sampling.top_p < 1.0:
-            sorted_probs, order = probs.sort(descending=True)
-            outside = sorted_probs.cumsum(-1) - sorted_probs >= self.sampling.top_p  # the first always stays
-            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs.masked_fill(outside, 0.0))
-        return int(torch.multinomial(probs, 1, generator=self._generator))
+        return int(torch.multinomial(self.sampling.probabilities(logits), 1, generator=self._generator))
 
     def push(self, token: int) -> bool:
         """Record ``token``; True when the sequence is finished (then the token is not fed back)."""

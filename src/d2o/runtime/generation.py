@@ -43,7 +43,7 @@ def resolve(method: str | Method, budget: Budget | str | float, min_tokens: int 
 def generate(
     model,
     tokenizer,
-    prompts: str | list[str],
+    prompts: str | list[dict] | list[str | list[dict]],
     method: str | Method = "d2o",
     budget: Budget | str | float = 0.2,
     *,
@@ -51,6 +51,7 @@ def generate(
     chat: bool = False,
     temperature: float = 0.0,
     top_p: float = 1.0,
+    top_k: int = 0,
     seed: int | None = None,
     stop: tuple[str, ...] = (),
     min_tokens: int | None = None,
@@ -58,13 +59,16 @@ def generate(
 ) -> Generation:
     """Answer ``prompts`` (one string or a batch) with ``method`` holding the cache to ``budget``.
 
-    Greedy by default; ``temperature`` > 0 samples (within ``top_p``, from ``seed``). An answer
+    Greedy by default; ``temperature`` > 0 samples (among the ``top_k`` likeliest, within ``top_p``,
+    from ``seed``). ``prompts``: a text, a conversation (a list of messages; ``chat=True``) or a list
+    of either. An answer
     ends at the model's end-of-sequence token, at a ``stop`` string, or after ``max_new_tokens``.
     ``min_tokens``: the floor under a ratio budget (``d2o.budget.MIN_TOKENS`` by default).
     """
     method, budget = resolve(method, budget, min_tokens, **method_options)
-    sampling = Sampling(temperature, top_p, seed)
-    rows = encode(tokenizer, [prompts] if isinstance(prompts, str) else list(prompts), chat)
+    sampling = Sampling(temperature, top_p, seed, top_k)
+    one = isinstance(prompts, str) or (isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], dict))
+    rows = encode(tokenizer, [prompts] if one else list(prompts), chat)
     check_length(model, max(len(row) for row in rows), max_new_tokens)
     stops = stop_token_ids(model, tokenizer)
     sequences = [Sequence(tokenizer, max_new_tokens, sampling, stops, stop) for _ in rows]

@@ -94,8 +94,8 @@ class Engine:
                            f"({method.name}, {len(ids)} prompt tokens + {max_tokens} new): more than the server's "
                            f"whole --kv-memory of {self.cap:,}; use a smaller kv_budget, prompt or max_tokens",
                            None, "kv_memory_exceeded")
-        sequence = Sequence(self.tokenizer, max_tokens, Sampling(request.temperature, request.top_p, request.seed),
-                            self.stops, tuple(request.stop or ()))
+        sampling = Sampling(request.temperature, request.top_p, request.seed, max(request.top_k, 0))
+        sequence = Sequence(self.tokenizer, max_tokens, sampling, self.stops, tuple(request.stop or ()))
         return Job(ids, sequence, method, budget, kv_plan, request.stream, loop)
 
     def _resolve(self, request: Generation):

@@ -39,6 +39,7 @@ class Generation(BaseModel):
     max_tokens: Optional[int] = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)  # 0 or -1 (vLLM's "off"): every token
     stop: Union[str, list[str], None] = None
     seed: Optional[int] = Field(None, ge=-(2**63), lt=2**64)  # what a torch generator takes
     n: int = 1
