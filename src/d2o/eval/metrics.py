@@ -1,10 +1,13 @@
-"""Scores: SQuAD's and CoQA's F1 and exact match, ROUGE-L, and LongBench's official metrics.
+"""Scores: SQuAD's and CoQA's F1 and exact match, ROUGE-L (LongBench's and TruthfulQA's variants),
+and LongBench's official metrics.
 
 LongBench's metrics are restated from its ``metrics.py`` (v1): QA F1 over SQuAD-normalised words;
 ROUGE-L as the ``rouge`` package computes it (sentences split on ".", summary-level union LCS
 over distinct words); classification with partial credit; retrieval and count accuracy over the
 numbers in the answer; code edit similarity (fuzzywuzzy's ratio, which is difflib's without
-python-Levenshtein) on the first line that is not a comment.
+python-Levenshtein) on the first line that is not a comment. TruthfulQA's ROUGE is another one,
+``rouge_score``'s ROUGE-Lsum (lower case, words of letters and digits, sentences on lines,
+occurrences counted), restated as ``rouge_lsum``.
 """
 
 from __future__ import annotations
@@ -67,14 +70,20 @@ def coqa_scores(prediction: str, golds: list[str]) -> dict[str, float]:
 
 
 # -- ROUGE-L ------------------------------------------------------------------------------------
-def _lcs_words(a: list[str], b: list[str]) -> list[str]:
-    """The longest common subsequence of two word lists that the ``rouge`` package reconstructs:
-    several may exist, and which one is taken decides which distinct words count, so its tie
-    rule is kept (on a tie, step back in ``b``)."""
+def _lcs_table(a: list[str], b: list[str]) -> list[list[int]]:
+    """table[i][j]: the length of the longest common subsequence of a[:i] and b[:j]."""
     table = [[0] * (len(b) + 1) for _ in range(len(a) + 1)]
     for i, word_a in enumerate(a, 1):
         for j, word_b in enumerate(b, 1):
             table[i][j] = table[i - 1][j - 1] + 1 if word_a == word_b else max(table[i - 1][j], table[i][j - 1])
+    return table
+
+
+def _lcs_words(a: list[str], b: list[str]) -> list[str]:
+    """The longest common subsequence of two word lists that the ``rouge`` package reconstructs:
+    several may exist, and which one is taken decides which distinct words count, so its tie
+    rule is kept (on a tie, step back in ``b``)."""
+    table = _lcs_table(a, b)
     words, i, j = [], len(a), len(b)
     while i and j:
         if a[i - 1] == b[j - 1]:
@@ -107,6 +116,59 @@ def rouge_l(prediction: str, reference: str) -> float:
     hypothesis_words = {w for sentence in hypothesis for w in sentence}
     recall, precision = len(hit) / len(reference_words), len(hit) / len(hypothesis_words)
     return 2 * precision * recall / (precision + recall + 1e-8)
+
+
+# -- ROUGE-Lsum (rouge_score's) ----------------------------------------------------------------
+_NOT_ALPHANUMERIC = re.compile(r"[^a-z0-9]+")
+
+
+def _lsum_words(sentence: str) -> list[str]:
+    """rouge_score's default tokenizer (no stemming): lower case, anything but a-z and 0-9 a blank."""
+    return _NOT_ALPHANUMERIC.sub(" ", sentence.lower()).split()
+
+
+def _lcs_positions(reference: list[str], candidate: list[str]) -> set[int]:
+    """The positions in ``reference`` of the LCS rouge_score reads out (on a tie it steps back in
+    the reference); which one it takes decides the union over the candidate's sentences."""
+    table = _lcs_table(reference, candidate)
+    positions, i, j = set(), len(reference), len(candidate)
+    while i and j:
+        if reference[i - 1] == candidate[j - 1]:
+            positions.add(i - 1)
+            i, j = i - 1, j - 1
+        elif table[i][j - 1] > table[i - 1][j]:
+            j -= 1
+        else:
+            i -= 1
+    return positions
+
+
+def rouge_lsum(prediction: str, reference: str) -> float:
+    """ROUGE-Lsum F as TruthfulQA and lm-eval compute it (``rouge_score``'s ``rougeLsum`` after
+    their " . " -> ".\\n"): sentences are the lines, each reference sentence's LCS with every
+    prediction sentence united, a word counted as a hit at most as often as it occurs in both
+    texts; F = 2PR / (P + R). An empty text scores 0."""
+    def sentences(text: str) -> list[list[str]]:
+        return [_lsum_words(line) for line in text.replace(" . ", ".\n").split("\n")]
+
+    hypothesis, references = sentences(prediction), sentences(reference)
+    hypothesis_left = Counter(word for sentence in hypothesis for word in sentence)
+    reference_left = Counter(word for sentence in references for word in sentence)
+    total_hypothesis, total_reference = hypothesis_left.total(), reference_left.total()
+    if not total_hypothesis or not total_reference:
+        return 0.0
+    hits = 0
+    for sentence in references:
+        for position in set().union(*(_lcs_positions(sentence, hyp) for hyp in hypothesis)):
+            word = sentence[position]
+            if hypothesis_left[word] and reference_left[word]:
+                hits += 1
+                hypothesis_left[word] -= 1
+                reference_left[word] -= 1
+    if not hits:
+        return 0.0
+    recall, precision = hits / total_reference, hits / total_hypothesis
+    return 2 * precision * recall / (precision + recall)
 
 
 # -- LongBench's other metrics ------------------------------------------------------------------
