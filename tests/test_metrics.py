@@ -21,6 +21,7 @@ from d2o.eval.metrics import (
 )
 from d2o.eval.tasks import get_task
 from d2o.eval.tasks.base import Sample
+from d2o.eval.tasks.longbench import PROMPTS
 from d2o.eval.tasks.niah import fact_recall
 
 
@@ -171,6 +172,37 @@ def test_longbench_prompts_truncation_and_scores(longbench_dir):
     # trec: first line only, partial credit rules.
     assert task.score("Location City\nIndividual", samples["trec"])["score"] == 1.0
     assert task.score("Paragraph 2", samples["passage_retrieval_en"])["score"] == 1.0
+
+
+def test_longbench_truncation_keeps_the_question_whole(tmp_path):
+    context = " ".join(f"c{i}" for i in range(60))
+    write_jsonl(tmp_path / "hotpotqa.jsonl", [{"input": "Who wrote it?", "context": context, "answers": ["Ann"]}])
+    words = Words()
+
+    task = get_task("longbench", data_dir=str(tmp_path))
+
+    def sample(max_length):
+        return get_task("longbench", data_dir=str(tmp_path), max_length=max_length).samples(words, None, 0)[0]
+
+    prompt = words(PROMPTS["hotpotqa"].format(input="Who wrote it?", context=context)).input_ids
+    after = PROMPTS["hotpotqa"].split("{context}")[1].format(input="Who wrote it?")
+    # The part after the context is 23 words alone; one more is kept, as a word may span the
+    # border ("c59\n\nAnswer" here). With 60, LongBench's 30 + 30 words hold it: its rule as it is.
+    assert sample(60).prompt == words.decode(prompt[:30]) + words.decode(prompt[-30:])
+    # With 40, LongBench's last 20 words would cut it: the last 24 are kept, the first 16.
+    at_40 = sample(40)
+    assert at_40.prompt == words.decode(prompt[:16]) + words.decode(prompt[-24:])
+    assert at_40.prompt.endswith("c58 c59" + after) and at_40.question == after
+    assert task.encode(at_40, words, "context")[1] == words(after).input_ids
+    # With 10 it cannot fit: LongBench's 5 + 5 words, and the question fed is what it keeps of it.
+    at_10 = sample(10)
+    assert at_10.prompt == words.decode(prompt[:5]) + words.decode(prompt[-5:])
+    assert at_10.question == "other words.\n\nQuestion: Who wrote it?\nAnswer:"
+    for max_length in (1, 0, -4):
+        with pytest.raises(D2OError, match=f"max_length={max_length} must be a whole number >= 2"):
+            sample(max_length)
+    with pytest.raises(D2OError, match="sample x has no question to keep out of compression"):
+        task.encode(Sample("x", "p", "g", 8), words, "context")
 
 
 def test_longbench_bad_data_names_the_problem(tmp_path):

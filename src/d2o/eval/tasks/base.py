@@ -49,7 +49,7 @@ class Task:
         if protocol == "prompt":
             return tokenizer(sample.prompt, add_special_tokens=sample.special_tokens).input_ids, []
         if not sample.question:
-            raise D2OError(f"task {self.name!r} has no question to keep out of compression: "
+            raise D2OError(f"task {self.name!r}: sample {sample.id} has no question to keep out of compression: "
                            f"--protocol context does not apply")
         context = sample.prompt[: len(sample.prompt) - len(sample.question)]
         return (tokenizer(context, add_special_tokens=sample.special_tokens).input_ids,

@@ -3,8 +3,9 @@
 No LongBench data is reachable here: point the ``data_dir`` option (``--task-option data_dir=DIR``)
 at LongBench's ``data`` folder. The per-dataset prompts, answer lengths, middle truncation,
 chat-template rule, first-line cut and metrics follow LongBench's ``pred.py``/``eval.py`` (restated; the prompts are the benchmark's
-own strings). Scores are in [0, 1] (LongBench prints them x100). The Chinese datasets are not
-supported: their metrics need jieba's word segmentation.
+own strings), except that the truncation keeps the question after the context whole where it fits
+(``truncate_middle``). Scores are in [0, 1] (LongBench prints them x100). The Chinese datasets are
+not supported: their metrics need jieba's word segmentation.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 from d2o.errors import D2OError
 from d2o.eval.metrics import classification_score, code_sim_score, count_score, qa_f1, retrieval_score, rouge_l
 from d2o.eval.tasks.base import Sample, Task, asked, chat_prompt, register_task, take
+from d2o.options import whole
 
 PROMPTS = {
     "narrativeqa": "You are given a story, which can be either a novel or a movie script, and a question. Answer the question asconcisely as you can, using a single phrase if possible. Do not provide any explanation.\n\nStory: {context}\n\nNow, answer the question based on the story asconcisely as you can, using a single phrase if possible. Do not provide any explanation.\n\nQuestion: {input}\n\nAnswer:",
@@ -54,6 +56,7 @@ SETTINGS = {
     "lcc": (64, "code_sim"),
     "repobench-p": (64, "code_sim"),
 }
+MIN_LENGTH = 2  # max_length: a first and a last part of one token at least
 CHINESE = ("multifieldqa_zh", "dureader", "vcsum", "lsht", "passage_retrieval_zh")
 NO_CHAT_TEMPLATE = {"trec", "triviaqa", "samsum", "lcc", "repobench-p"}  # few-shot or code: raw prompts
 FIRST_LINE_ONLY = {"trec", "triviaqa", "samsum"}  # the scorer keeps the answer's first line
@@ -98,13 +101,23 @@ def read_records(path: Path, dataset: str) -> list[dict]:
     return records
 
 
-def truncate_middle(tokenizer, prompt: str, max_length: int) -> str:
-    """LongBench's rule: over ``max_length`` tokens, keep the first and last max_length/2."""
+def truncate_middle(tokenizer, prompt: str, max_length: int, question: str = "") -> tuple[str, str]:
+    """LongBench's rule: over ``max_length`` tokens, keep the first and last max_length/2. The
+    ``question`` ending the prompt (all after the context, fed after it under ``--protocol
+    context``) stays whole where it fits: where the last half would cut into it (repobench-p's code
+    can be long), the last part holds it and the first part is that much shorter. A question of
+    max_length tokens or more is cut as LongBench cuts it. Returns the prompt and the end of it
+    that asks: the question, or what the last half holds of it."""
     ids = tokenizer(prompt, add_special_tokens=False).input_ids
     if len(ids) <= max_length:
-        return prompt
+        return prompt, question
     half = max_length // 2
-    return tokenizer.decode(ids[:half], skip_special_tokens=True) + tokenizer.decode(ids[-half:], skip_special_tokens=True)
+    # One token more than the question alone: a token may span the context's end and its start.
+    needed = len(tokenizer(question, add_special_tokens=False).input_ids) + 1
+    fits = needed < 2 * half
+    tail = max(half, needed) if fits else half
+    end = tokenizer.decode(ids[-tail:], skip_special_tokens=True)
+    return tokenizer.decode(ids[: 2 * half - tail], skip_special_tokens=True) + end, question if fits else end
 
 
 @register_task
@@ -112,7 +125,8 @@ def truncate_middle(tokenizer, prompt: str, max_length: int) -> str:
 class LongBench(Task):
     """``datasets``: names (``qasper``, ``qasper_e``...) whose ``{name}.jsonl`` lie in ``data_dir``
     (default: every supported one there). ``max_length``: prompt tokens after truncation (3500,
-    LongBench's setting for 4K-position models). ``--limit``: records per dataset."""
+    LongBench's setting for 4K-position models; at least 2: a first and a last token; see
+    ``truncate_middle`` for the question, kept whole). ``--limit``: records per dataset."""
 
     name = "longbench"
     summary = "LongBench (v1 JSONL from data_dir), its prompts, truncation and official metrics"
@@ -123,6 +137,8 @@ class LongBench(Task):
     max_length: int = 3500
 
     def __post_init__(self):
+        if not whole(self.max_length) or self.max_length < MIN_LENGTH:
+            raise D2OError(f"longbench: max_length={self.max_length!r} must be a whole number >= {MIN_LENGTH}")
         if not self.data_dir:
             raise D2OError("longbench needs --task-option data_dir=DIR: a folder of LongBench {dataset}.jsonl files")
         folder = Path(self.data_dir)
@@ -149,15 +165,16 @@ class LongBench(Task):
             max_new_tokens = SETTINGS[base][0]
             records = read_records(Path(self.data_dir) / f"{dataset}.jsonl", dataset)
             for record in take(records, limit, seed):
-                prompt = truncate_middle(tokenizer, PROMPTS[base].format(**record), self.max_length)
+                after_context = PROMPTS[base].split("{context}")[1].format(**record)
+                prompt, question = truncate_middle(tokenizer, PROMPTS[base].format(**record), self.max_length,
+                                                   after_context)
                 special_tokens = True
                 if base not in NO_CHAT_TEMPLATE:
                     prompt, special_tokens = chat_prompt(tokenizer, prompt)
-                after_context = PROMPTS[base].split("{context}")[1].format(**record)
                 samples.append(Sample(
                     f"longbench-{dataset}-{record.get('_id', record['_line'])}", prompt, record["answers"],
                     max_new_tokens=max_new_tokens, stop=("\n",) if base == "samsum" else (),
-                    special_tokens=special_tokens, question=asked(prompt, after_context),
+                    special_tokens=special_tokens, question=asked(prompt, question),
                     meta={"subtask": dataset, "all_classes": record.get("all_classes"), "length": record.get("length")},
                 ))
         return samples
