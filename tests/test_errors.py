@@ -127,6 +127,7 @@ def test_local_model_folders_load_and_generate(real_model, tmp_path, arch):
     (["eval", "--task", "passkey", "--task-option", "length=abc"], "option length='abc' must be a whole number"),
     (["eval", "--task", "niah", "--task-option", "lengths=abc"], "option lengths='abc' must be a whole number"),
     (["eval", "--task", "squad", "--task-option", "chat=maybe"], "option chat='maybe' must be true or false"),
+    (["eval", "--task", "longbench", "--task-option", "data_dir=/no/lb,v1:2"], "data folder '/no/lb,v1:2' not found"),
     (["eval", "--task", "passkey", "--methods", ""], "no methods given"),
     (["eval", "--task", "passkey", "--methods", "h2o,h2o"], "h2o given twice in methods"),
     (["eval", "--task", "passkey", "--methods", "h2o", "--option", "d2o.alpha=0.3"], "options for d2o, which is not"),

@@ -23,6 +23,7 @@ from d2o.eval.tasks import get_task
 from d2o.eval.tasks.base import Sample
 from d2o.eval.tasks.longbench import PROMPTS
 from d2o.eval.tasks.niah import fact_recall
+from d2o.options import option_texts
 
 
 def test_squad_normalisation_f1_and_exact_match():
@@ -232,3 +233,19 @@ def test_task_options_are_checked():
         get_task("niah", depths=(0.5, 2.0))
     sample = Sample("x", "p", "42", 8)
     assert get_task("gsm8k").score("so the answer is 42.", sample) == {"accuracy": 1.0}
+
+
+def test_task_options_from_the_command_line_are_read_by_their_defaults(tmp_path):
+    # Texts and paths are taken as given, commas and colons included; lists split on "," or ":".
+    folder = tmp_path / "lb,v1:2"
+    folder.mkdir()
+    write_jsonl(folder / "hotpotqa.jsonl", [{"input": "q", "context": "c", "answers": ["a"]}])
+    task = get_task("longbench", **option_texts([f"data_dir={folder}", "datasets=hotpotqa", "max_length=100"]))
+    assert (task.data_dir, task.datasets, task.max_length) == (str(folder), ("hotpotqa",), 100)
+    niah = get_task("niah", **option_texts(["needle=The code is 42, remember it.", "lengths=300,400",
+                                            "depths=0:0.5", "haystack=none"]))
+    assert niah.needle == "The code is 42, remember it." and niah.haystack is None
+    assert niah.lengths == (300, 400) and niah.depths == (0, 0.5)
+    assert get_task("longbench", data_dir=folder).data_dir == str(folder)  # a Path from Python
+    with pytest.raises(D2OError, match=r"option data_dir=\('a', 'b'\) must be a text"):
+        get_task("longbench", data_dir=("a", "b"))

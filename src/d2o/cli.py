@@ -16,7 +16,7 @@ import typer
 
 from d2o.budget import Budget
 from d2o.errors import D2OError
-from d2o.options import parse_bytes, parse_options, split_list
+from d2o.options import option_texts, parse_bytes, parse_options, split_list
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Long-context inference under a KV-cache budget.")
 bench_app = typer.Typer(no_args_is_help=True, help="Speed and memory, measured side by side in one run.")
@@ -177,7 +177,7 @@ def evaluate(
         task=task, model=model, methods=split_list(methods), budgets=split_list(budgets), limit=limit, seed=seed,
         out=str(out), shared_prefill=not separate_prefill, dtype=dtype, attention=attention, min_tokens=min_tokens,
         protocol=protocol,
-        task_options=parse_options(task_option, "--task-option"), method_options=method_options,
+        task_options=option_texts(task_option, "--task-option"), method_options=method_options,  # typed by the task
     )
     check_config(config)  # before torch loads
     rows = run_eval(config)

@@ -12,15 +12,20 @@ def whole(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def parse_options(pairs: list[str], flag: str = "--option") -> dict:
-    """``["split=3:1", "alpha=0.3"]`` -> ``{"split": (3, 1), "alpha": 0.3}`` (dashes in names become _)."""
+def option_texts(pairs: list[str], flag: str = "--option") -> dict[str, str]:
+    """``["split=3:1", "alpha=0.3"]`` -> ``{"split": "3:1", "alpha": "0.3"}`` (dashes in names become _)."""
     options = {}
     for pair in pairs:
         name, sep, text = pair.partition("=")
         if not sep or not name.strip():
             raise D2OError(f"{flag} {pair!r}: expected NAME=VALUE")
-        options[name.strip().replace("-", "_")] = parse_value(text.strip())
+        options[name.strip().replace("-", "_")] = text.strip()
     return options
+
+
+def parse_options(pairs: list[str], flag: str = "--option") -> dict:
+    """``["split=3:1", "alpha=0.3"]`` -> ``{"split": (3, 1), "alpha": 0.3}``, each value by ``parse_value``."""
+    return {name: parse_value(text) for name, text in option_texts(pairs, flag).items()}
 
 
 def parse_value(text: str):

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar
 
 from d2o.errors import D2OError
+from d2o.options import parse_value
 from d2o.runtime.prompts import chat_text
 
 
@@ -85,18 +87,27 @@ def get_task(name: str, **options) -> Task:
         raise D2OError(f"task {name!r} takes no option {', '.join(unknown)}; its options: {options}")
     defaults = {f.name: f.default if f.default is not MISSING else f.default_factory() for f in fields(cls)
                 if f.default is not MISSING or f.default_factory is not MISSING}
-    return cls(**{key: _typed(name, key, value, defaults.get(key)) for key, value in given.items()})
+    typed = {key: _typed(name, key, value, defaults.get(key)) for key, value in given.items()}
+    return cls(**{key: value for key, value in typed.items() if value is not None})  # None: the default
 
 
 def _typed(task: str, key: str, value, default):
     """A task option's value in the type of its default (one value where a list is expected is a
-    list of one); a value of another type is refused, naming the option."""
+    list of one); a value of another type is refused, naming the option. A text (``NAME=VALUE``
+    from the command line) is read by the default: as it is for a text or a path (default a text
+    or None), so commas and colons are part of it; else by ``parse_value`` (a list splits on ","
+    or ":"). "none" is the default (None) for any but a text option."""
+    if isinstance(value, str) and not isinstance(default, str):
+        if value.lower() == "none":
+            return None
+        if default is not None:
+            value = parse_value(value)
+    if default is None and isinstance(value, os.PathLike):
+        value = os.fspath(value)
     if isinstance(default, tuple):
         values = value if isinstance(value, tuple) else (value,)
         return tuple(_typed(task, key, item, default[0]) if default else item for item in values)
-    if default is None:
-        return value
-    kind = type(default)
+    kind = str if default is None else type(default)  # None: a path
     fits = (isinstance(value, kind) and not (isinstance(value, bool) and kind is not bool)
             or kind is float and isinstance(value, int) and not isinstance(value, bool))
     if not fits:
