@@ -231,6 +231,9 @@ def test_task_options_are_checked():
         get_task("passkey", lengths=(1, 2))
     with pytest.raises(D2OError, match="depths must be between 0 and 1"):
         get_task("niah", depths=(0.5, 2.0))
+    for window in (0, -3):  # were a RuntimeError from torch once the whole text had been run
+        with pytest.raises(D2OError, match=f"window .* must be at least 1, got {window}"):
+            get_task("perplexity", window=window)
     sample = Sample("x", "p", "42", 8)
     assert get_task("gsm8k").score("so the answer is 42.", sample) == {"accuracy": 1.0}
 

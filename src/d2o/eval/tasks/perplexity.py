@@ -35,6 +35,8 @@ class Perplexity(Task):
         if self.chunk < 1 or self.length < 2 * self.chunk:
             raise D2OError(f"perplexity needs chunk >= 1 and length >= 2 chunks, got chunk {self.chunk}, "
                            f"length {self.length}")
+        if self.window < 1:
+            raise D2OError(f"perplexity's window (tokens per point of the curve) must be at least 1, got {self.window}")
 
     def samples(self, tokenizer, limit, seed):
         return [Sample(f"perplexity-{self.length}", "", None, max_new_tokens=0, meta={"tokens": self.length})]
