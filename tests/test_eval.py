@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from d2o import D2OError
-from d2o.eval.sweep import EvalConfig, run_eval
+from d2o.eval.sweep import EvalConfig, check_folder, run_eval
 from d2o.eval.tasks import get_task
 
 PASSKEY = dict(task="passkey", budgets=("0.5",), limit=2, task_options={"length": 400})
@@ -77,6 +77,15 @@ def test_bad_input_leaves_results_intact(real_model, tmp_path):
         run_eval(EvalConfig(methods=("full",), out=str(too_long), **{**PASSKEY, "task_options": {"length": 8400}}),
                  progress=False)
     assert not (too_long / "samples.jsonl").exists()
+
+
+def test_a_corrupt_config_is_named(tmp_path):
+    config = EvalConfig(**PASSKEY, out=str(tmp_path))
+    task = get_task("passkey", length=400)
+    for text in ('{"identity": {"task": "pass', "[1, 2]", '{"last_run": {}}', "\xff"):  # were tracebacks
+        (tmp_path / "config.json").write_bytes(text.encode("latin-1"))
+        with pytest.raises(D2OError, match="config.json is not a configuration that d2o eval wrote"):
+            check_folder(tmp_path, config, task)
 
 
 def test_niah_grid_and_heatmaps(real_model, tmp_path):

@@ -130,12 +130,24 @@ def check_folder(out: Path, config: EvalConfig, task: Task) -> None:
         raise D2OError(f"cannot create the results folder {str(out)!r}: {error.strerror or error}") from None
     path = out / "config.json"
     if path.exists():
-        recorded = json.loads(path.read_text()).get("identity", {})
+        recorded = recorded_identity(path)
         identity = _identity(config, task)
         if recorded != identity:
             differing = sorted(k for k in identity if recorded.get(k) != identity[k])
             raise D2OError(f"{out} holds results of another configuration (differs in: {', '.join(differing)}); "
                            f"choose another --out")
+
+
+def recorded_identity(path: Path) -> dict:
+    """The identity a results folder's config.json records; a file that holds none is refused."""
+    try:
+        identity = json.loads(path.read_text(encoding="utf-8"))["identity"]
+    except (OSError, ValueError, KeyError, TypeError):  # unreadable, not JSON (ValueError), no identity
+        identity = None
+    if not isinstance(identity, dict):
+        raise D2OError(f"{path} is not a configuration that d2o eval wrote: choose another --out, or delete it "
+                       f"if the results there are of this configuration")
+    return identity
 
 
 def record_config(out: Path, config: EvalConfig, task: Task) -> None:
