@@ -218,6 +218,12 @@ def test_longbench_bad_data_names_the_problem(tmp_path):
     (tmp_path / "qasper.jsonl").write_text('{"input": "q", "context": "c"}\n')
     with pytest.raises(D2OError, match=r"qasper.jsonl:1: missing field answers"):
         task.samples(Words(), None, 0)
+    # A trec record without its classes was a TypeError once its answer came, the run lost.
+    for classes in ("null", "[]", '"City"', '[1, 2]'):
+        record = f'{{"input": "q", "context": "c", "answers": ["a"], "all_classes": {classes}}}'
+        (tmp_path / "trec.jsonl").write_text(record + "\n")
+        with pytest.raises(D2OError, match=r"trec.jsonl:1: 'all_classes' must be a non-empty list of class names"):
+            get_task("longbench", data_dir=str(tmp_path), datasets=("trec",)).samples(Words(), None, 0)
     with pytest.raises(D2OError, match="Chinese"):
         get_task("longbench", data_dir=str(tmp_path), datasets=("dureader",))
     with pytest.raises(D2OError, match="unknown LongBench dataset"):

@@ -77,7 +77,8 @@ def base_name(dataset: str) -> str:
 
 def read_records(path: Path, dataset: str) -> list[dict]:
     """The records of one JSONL file, each checked for the fields its dataset needs."""
-    needed = ["input", "context", "answers"] + (["all_classes"] if SETTINGS[base_name(dataset)][1] == "classification" else [])
+    classified = SETTINGS[base_name(dataset)][1] == "classification"
+    needed = ["input", "context", "answers"] + (["all_classes"] if classified else [])
     records = []
     with path.open(encoding="utf-8") as stream:
         for number, line in enumerate(stream, 1):
@@ -94,6 +95,9 @@ def read_records(path: Path, dataset: str) -> list[dict]:
                 raise D2OError(f"{path}:{number}: missing field {', '.join(missing)}")
             if not isinstance(record["answers"], list) or not record["answers"]:
                 raise D2OError(f"{path}:{number}: 'answers' must be a non-empty list")
+            classes = record.get("all_classes")
+            if classified and not (isinstance(classes, list) and classes and all(isinstance(c, str) for c in classes)):
+                raise D2OError(f"{path}:{number}: 'all_classes' must be a non-empty list of class names")
             record["_line"] = number
             records.append(record)
     if not records:
