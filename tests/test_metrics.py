@@ -237,6 +237,10 @@ def test_task_options_are_checked():
         get_task("passkey", lengths=(1, 2))
     with pytest.raises(D2OError, match="depths must be between 0 and 1"):
         get_task("niah", depths=(0.5, 2.0))
+    for shots in (5, -1):  # were 4 and 3 examples, silently
+        with pytest.raises(D2OError, match=f"shots={shots} must be a whole number from 0 to 4"):
+            get_task("gsm8k", shots=shots)
+    assert get_task("gsm8k", shots=0).shots == 0
     for window in (0, -3):  # were a RuntimeError from torch once the whole text had been run
         with pytest.raises(D2OError, match=f"window .* must be at least 1, got {window}"):
             get_task("perplexity", window=window)

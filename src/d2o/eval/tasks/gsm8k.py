@@ -10,9 +10,11 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+from d2o.errors import D2OError
 from d2o.eval.downloads import GSM_SYMBOLIC, archive_members
 from d2o.eval.metrics import final_number
 from d2o.eval.tasks.base import Sample, Task, register_task, take
+from d2o.options import whole
 
 # Worked examples written for this library (not GSM8K items, so all 100 test items stay unseen).
 EXAMPLES = [
@@ -39,7 +41,7 @@ def gsm8k_items() -> list[dict]:
 @register_task
 @dataclass
 class Gsm8k(Task):
-    """``shots`` worked examples, then the question; the score is exact match of the final number
+    """``shots`` worked examples (0 to 4), then the question; the score is exact match of the final number
     (after "The answer is", else the last number of the answer)."""
 
     name = "gsm8k"
@@ -47,6 +49,11 @@ class Gsm8k(Task):
     metrics = ("accuracy",)
 
     shots: int = 4
+
+    def __post_init__(self):
+        if not whole(self.shots) or not 0 <= self.shots <= len(EXAMPLES):
+            raise D2OError(f"gsm8k: shots={self.shots!r} must be a whole number from 0 to {len(EXAMPLES)} "
+                           f"(the worked examples there are)")
 
     def samples(self, tokenizer, limit, seed):
         shots = "".join(f"Question: {q}\nAnswer: {a}\n\n" for q, a in EXAMPLES[: self.shots])
