@@ -206,6 +206,18 @@ def test_longbench_truncation_keeps_the_question_whole(tmp_path):
         task.encode(Sample("x", "p", "g", 8), words, "context")
 
 
+def test_longbench_scores_the_answer_as_generated(tmp_path):
+    write_jsonl(tmp_path / "lcc.jsonl", [{"input": "", "context": "def f(x):\n", "answers": ["    return x"]}])
+    task = get_task("longbench", data_dir=str(tmp_path))
+    sample = task.samples(Words(), None, 0)[0]
+    generated = "\n    return x\n"
+    assert task.answer(generated) == generated
+    assert task.score(task.answer(generated), sample)["score"] == 1.0
+    # Stripped (as every task's answer was), the line lost its indentation: 2 * 8 / 20 = 0.8.
+    assert task.score(generated.strip(), sample)["score"] == 0.8
+    assert get_task("squad").answer(" Paris. \n") == "Paris."
+
+
 def test_longbench_bad_data_names_the_problem(tmp_path):
     with pytest.raises(D2OError, match="not found"):
         get_task("longbench", data_dir=str(tmp_path / "missing"))

@@ -76,7 +76,7 @@ class Runner:
             if question:
                 batch.feed([question])
             sequence = batch.run()[0]
-            text = sequence.text.strip()
+            text = task.answer(sequence.text)
             yield Outcome(run, text, task.score(text, sample), sequence.report, time.perf_counter() - start,
                           prefill_seconds)
 

@@ -43,6 +43,10 @@ class Task:
     def score(self, prediction: str, sample: Sample) -> dict[str, float]:
         raise NotImplementedError
 
+    def answer(self, text: str) -> str:
+        """The prediction made of the generated text, as kept and scored: without surrounding blanks."""
+        return text.strip()
+
     def encode(self, sample: Sample, tokenizer, protocol: str = "prompt") -> tuple[list[int], list[int]]:
         """The token ids to prefill and those fed after compression. ``prompt``: the whole prompt is
         compressed (nothing after); ``context``: the question is kept out of compression."""

@@ -183,6 +183,11 @@ class LongBench(Task):
                 ))
         return samples
 
+    def answer(self, text):
+        """The text as generated: LongBench's eval.py strips nothing (its code similarity only drops
+        leading newlines, so the first line keeps its indentation; its ROUGE counts trailing blanks)."""
+        return text
+
     def score(self, prediction, sample):
         dataset = base_name(sample.meta["subtask"])
         if dataset in FIRST_LINE_ONLY:
