@@ -11,6 +11,7 @@ import torch
 
 from d2o import Budget, get_method
 from d2o.bench.fit import bench_fit, largest_batch
+from d2o.bench.memory import measure_peak
 from d2o.bench.models import random_model
 from d2o.engine.cache import CompressedCache
 from d2o.runtime.memory import plan
@@ -96,3 +97,11 @@ def test_bad_bench_input_is_one_line_and_exit_code_2(args, message, tmp_path):
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 2, done.stderr
     assert done.stderr.count("\n") == 1 and message in done.stderr
+
+
+def test_a_cpu_run_is_measured_on_the_cpu_even_where_a_gpu_is_present(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a CUDA machine, this run on its CPU
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *args: 0)  # what a GPU's allocator would say
+    result, peak = measure_peak(lambda: torch.ones(64, 2**20).sum(), torch.device("cpu"))  # 256 MiB
+    assert result == 64 * 2**20
+    assert peak > 128 * 2**20

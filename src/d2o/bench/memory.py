@@ -21,15 +21,17 @@ from d2o.errors import D2OError
 _PROC = Path("/proc/self")
 
 
-def measure_peak(fn):
-    """``(fn(), peak)``: the peak bytes held while ``fn`` ran beyond what was held when it started."""
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
+def measure_peak(fn, device: torch.device | str):
+    """``(fn(), peak)``: the peak bytes held while ``fn`` ran beyond what was held when it started,
+    on ``device`` (where ``fn`` computes: a CPU run on a machine with a GPU is measured on the CPU)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
         result = fn()
-        torch.cuda.synchronize()
-        return result, torch.cuda.max_memory_allocated() - before
+        torch.cuda.synchronize(device)
+        return result, torch.cuda.max_memory_allocated(device) - before
     if not (_PROC / "clear_refs").exists():
         raise D2OError("peak CPU memory is read from /proc/self (Linux only); run the benchmark on Linux or a GPU")
     _trim_heap()

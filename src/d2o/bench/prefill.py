@@ -32,7 +32,7 @@ def _prefill(model, ids: torch.Tensor, name: str, policy, budget) -> tuple[float
                 torch.cuda.synchronize(ids.device)
             return time.perf_counter() - start
 
-        return measure_peak(timed)
+        return measure_peak(timed, ids.device)
 
     if name not in BASELINES:
         return run(CompressedCache(model, policy, budget))
@@ -55,7 +55,7 @@ def stats_peak_bytes(model, n_tokens: int) -> int:
     valid = torch.ones(1, n_tokens, dtype=torch.bool, device=model.device)
     request = StatsRequest(column_mass=True)
     per_head = valid[:, None].expand(-1, kv_heads, -1)
-    return measure_peak(lambda: attention_stats(query, key, per_head, valid, dim**-0.5, request))[1]
+    return measure_peak(lambda: attention_stats(query, key, per_head, valid, dim**-0.5, request), model.device)[1]
 
 
 def bench_prefill(model, tokenizer, lengths: list[int], method: str, budget, repeats: int = 1,
