@@ -13,6 +13,7 @@ from d2o import Budget, get_method
 from d2o.bench.fit import bench_fit, largest_batch
 from d2o.bench.memory import measure_peak
 from d2o.bench.models import random_model
+from d2o.bench.prefill import bench_prefill
 from d2o.engine.cache import CompressedCache
 from d2o.runtime.memory import plan
 
@@ -105,3 +106,9 @@ def test_a_cpu_run_is_measured_on_the_cpu_even_where_a_gpu_is_present(monkeypatc
     result, peak = measure_peak(lambda: torch.ones(64, 2**20).sum(), torch.device("cpu"))  # 256 MiB
     assert result == 64 * 2**20
     assert peak > 128 * 2**20
+
+
+def test_the_attention_matrix_is_sized_in_the_models_dtype():
+    half = random_model("tiny", positions=512, dtype="bfloat16")
+    row, = bench_prefill(half, None, [512], "h2o", Budget.parse("0.2"))
+    assert row["attention_matrix_mib"] == 4 * 512**2 * 2 / 2**20  # 4 heads, 2 bytes each

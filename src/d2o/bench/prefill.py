@@ -65,6 +65,7 @@ def bench_prefill(model, tokenizer, lengths: list[int], method: str, budget, rep
     policy = get_method(method)
     policy.check_budget(budget)
     config = model.config.get_text_config()
+    dtype_bytes = next(model.parameters()).element_size()  # what the attention matrix would be stored in
     names = ["sdpa", method] + (["eager"] if eager else [])
     for n_tokens in lengths:
         check_length(model, n_tokens)
@@ -84,7 +85,7 @@ def bench_prefill(model, tokenizer, lengths: list[int], method: str, budget, rep
                f"{method}_over_sdpa": round(median[method] / median["sdpa"], 3),
                "sdpa_peak_mib": round(peaks["sdpa"] / 2**20, 1), f"{method}_peak_mib": round(peaks[method] / 2**20, 1),
                "stats_peak_mib": round(stats_peak_bytes(model, n_tokens) / 2**20, 1),
-               "attention_matrix_mib": round(config.num_attention_heads * n_tokens**2 * 4 / 2**20, 1)}
+               "attention_matrix_mib": round(config.num_attention_heads * n_tokens**2 * dtype_bytes / 2**20, 1)}
         if eager:
             row["eager_s"] = round(median["eager"], 3)
             row["eager_over_sdpa"] = round(median["eager"] / median["sdpa"], 3)
