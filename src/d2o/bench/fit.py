@@ -1,15 +1,22 @@
 """Throughput under a KV memory cap: the paper's experiment, scaled to the machine at hand.
 
-For each method, the largest batch whose KV cache fits the cap (``runtime.memory.plan``: every
-row holds what it can hold at most while decoding, and the row being prefilled holds its whole
-prompt until it is compressed), then that batch measured: each prompt prefilled alone and
-compressed, the rows joined into one batch (as a server would), ``generate`` tokens decoded.
-Tokens/s is given over the decoding and over the whole run (prefills included).
+For each method, the largest batch whose KV cache stays under the cap at every moment, then that
+batch measured: ``generate`` tokens decoded per row. The full cache prefills every prompt in one
+batch, as transformers does; its batch comes from ``runtime.memory.plan``, exact for it (every
+row holds its prompt and every generated token). A compressed cache prefills each prompt alone
+and compresses it, and the rows join one batch (as a server's requests do), one at a time: a row
+is prefilled only while the rows joined so far (waiting, not decoding) and its uncompressed prompt
+fit the cap, and joins only while the batch with it fits at its decoding peak, padding included
+(``runtime.memory.padded_bytes``: rows share one tensor per layer as wide as the widest, and D2O
+gives each row its own per-layer budgets; a plan per row, as if each held its budget alone, let
+such a batch outgrow the cap). Tokens/s is given over the decoding and over the whole run
+(prefills included).
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
@@ -20,10 +27,22 @@ from d2o.engine.cache import CompressedCache
 from d2o.errors import D2OError
 from d2o.methods import get_method
 from d2o.runtime.decoding import Batch, Sequence
-from d2o.runtime.memory import plan
+from d2o.runtime.memory import padded_bytes, peak_slots, plan, slot_bytes, slot_widths
 from d2o.runtime.prompts import check_length
 
 FULL = "full"
+
+
+@dataclass
+class Run:
+    """A measured batch: its rows, the KV bytes its fit rule let it reach, the most it held
+    (measured after every prefill, before and after compression, and every step) and its seconds."""
+
+    batch: int
+    planned_bytes: int
+    peak_bytes: int
+    prefill_seconds: float
+    decode_seconds: float
 
 
 def largest_batch(cap: int, prefill_bytes: int, held_bytes: int) -> int:
@@ -33,31 +52,60 @@ def largest_batch(cap: int, prefill_bytes: int, held_bytes: int) -> int:
     return 1 + (cap - max(prefill_bytes, held_bytes)) // held_bytes
 
 
-def _run(model, method, budget, prompts: list[list[int]], generate: int) -> tuple[float, float, int]:
-    """Prefill, then decode ``generate`` tokens per row; returns decode seconds, total seconds and
-    the most KV bytes held at once (measured after every prefill and every step). The stock cache
-    (``method`` None) prefills every prompt in one batch, as transformers does; a compressed cache
-    prefills each prompt alone and compresses it before the next, and the rows join one batch."""
+def _run_full(model, need, cap: int, prompt_of, generate: int) -> Run:
+    """The stock cache: ``largest_batch`` rows prefilled in one batch, then decoded."""
+    batch = largest_batch(cap, need.prefill_bytes, need.held_bytes)
+    prompts = [prompt_of(row) for row in range(batch)]
     start = time.perf_counter()
-    if method is None:
-        batch = Batch.prefill(model, DynamicCache(config=model.config), prompts,
-                              [Sequence(None, generate) for _ in prompts])
-        most = _held(batch.cache)
-    else:
-        batch, most = None, 0
-        for ids in prompts:
-            one = Batch.prefill(model, CompressedCache(model, method, budget), [ids], [Sequence(None, generate)])
-            most = max(most, _held(one.cache) + (_held(batch.cache) if batch else 0))
-            if batch is None:
-                batch = one
-            else:
-                batch.join(one)
-    decode_start = time.perf_counter()
-    while batch.sequences:
-        batch.step()
-        most = max(most, _held(batch.cache))
-    end = time.perf_counter()
-    return end - decode_start, end - start, most
+    decoding = Batch.prefill(model, DynamicCache(config=model.config), prompts,
+                             [Sequence(None, generate) for _ in prompts])
+    prefill_seconds = time.perf_counter() - start
+    most = _held(decoding.cache)
+    decode_seconds, most = _decode(decoding, most)
+    return Run(batch, (batch - 1) * need.held_bytes + need.peak_bytes, most, prefill_seconds, decode_seconds)
+
+
+def _run_packed(model, method, budget, need, cap: int, per_slot: int, prompt_of, generate: int) -> Run:
+    """A compressed cache: rows prefilled alone, compressed and joined while they fit (see above)."""
+    decoding, peaks, planned, most, prefill_seconds = None, None, 0, 0, 0.0
+    while True:
+        held = decoding.cache.nbytes if decoding else 0  # the rows wait, not decoding, while the next is prefilled
+        if held + need.prefill_bytes > cap:
+            break
+        cache = CompressedCache(model, method, budget)
+        start = time.perf_counter()
+        with cache.hold():  # compressed when the block ends: its whole prompt is measured first
+            one = Batch.prefill(model, cache, [prompt_of(decoding.size if decoding else 0)], [Sequence(None, generate)])
+            whole = cache.nbytes
+        seconds = time.perf_counter() - start
+        widths = slot_widths(cache)
+        if decoding:
+            widths = [max(mine, theirs) for mine, theirs in zip(widths, slot_widths(decoding.cache))]
+        joined = peak_slots(cache, generate) if peaks is None else torch.cat([peaks, peak_slots(cache, generate)])
+        bound = padded_bytes(widths, joined, per_slot)
+        if bound > cap:  # with this row the batch would outgrow the cap while it decodes: left out
+            break
+        peaks, planned = joined, max(planned, held + need.prefill_bytes, bound)
+        most, prefill_seconds = max(most, held + whole), prefill_seconds + seconds
+        if decoding is None:
+            decoding = one
+        else:
+            decoding.join(one)
+        most = max(most, decoding.cache.nbytes)
+    if decoding is None:
+        return Run(0, 0, 0, 0.0, 0.0)
+    batch = decoding.size  # rows leave the batch as they finish
+    decode_seconds, most = _decode(decoding, most)
+    return Run(batch, planned, most, prefill_seconds, decode_seconds)
+
+
+def _decode(decoding: Batch, most: int) -> tuple[float, int]:
+    """Decode every row to its end; the seconds it took and the most KV bytes held (``most`` so far)."""
+    start = time.perf_counter()
+    while decoding.sequences:
+        decoding.step()
+        most = max(most, _held(decoding.cache))
+    return time.perf_counter() - start, most
 
 
 def _held(cache) -> int:
@@ -77,23 +125,31 @@ def bench_fit(model, tokenizer, cap: int, prompt: int, generate: int, methods: l
         method = get_method(name)
         method.check_budget(budget)
         need = plan(model.config, method, budget, prompt, generate, dtype_bytes)
-        batch = largest_batch(cap, need.prefill_bytes, need.held_bytes)
-        if batch == 0:
-            raise D2OError(f"a KV cap of {cap / 2**20:.0f} MiB holds not one {prompt}+{generate}-token sequence "
-                           f"under {name} (it needs {need.peak_bytes / 2**20:.0f} MiB)")
-        prompts = [prompt_ids(tokenizer, vocab, prompt, seed=row) if tokenizer is None
-                   else prompt_ids(tokenizer, vocab, prompt * (row + 1))[-prompt:] for row in range(batch)]
+
+        def prompt_of(row: int) -> list[int]:
+            if tokenizer is None:
+                return prompt_ids(tokenizer, vocab, prompt, seed=row)
+            return prompt_ids(tokenizer, vocab, prompt * (row + 1))[-prompt:]
+
+        none_fit = D2OError(f"a KV cap of {cap / 2**20:.0f} MiB holds not one {prompt}+{generate}-token sequence "
+                            f"under {name} (it needs {need.peak_bytes / 2**20:.0f} MiB)")
+        if need.peak_bytes > cap:
+            raise none_fit
         with torch.inference_mode():
             if name == FULL:
                 with stock_attention(model):
-                    decode_s, total_s, most = _run(model, None, budget, prompts, generate)
+                    run = _run_full(model, need, cap, prompt_of, generate)
             else:
-                decode_s, total_s, most = _run(model, method, budget, prompts, generate)
-        rows.append({"method": name, "budget": "-" if name == FULL else str(budget), "batch": batch,
-                     "planned_kv_mib": round(((batch - 1) * need.held_bytes + need.peak_bytes) / 2**20, 1),
-                     "peak_kv_mib": round(most / 2**20, 1),
-                     "decode_tokens_per_s": round(batch * generate / decode_s, 1),
-                     "total_tokens_per_s": round(batch * generate / total_s, 1)})
+                per_slot = slot_bytes(model.config, dtype_bytes, method)
+                run = _run_packed(model, method, budget, need, cap, per_slot, prompt_of, generate)
+        if run.batch == 0:  # a row's plan bounds its peak, so this is not expected
+            raise none_fit
+        tokens = run.batch * generate
+        rows.append({"method": name, "budget": "-" if name == FULL else str(budget), "batch": run.batch,
+                     "planned_kv_mib": round(run.planned_bytes / 2**20, 1),
+                     "peak_kv_mib": round(run.peak_bytes / 2**20, 1),
+                     "decode_tokens_per_s": round(tokens / run.decode_seconds, 1),
+                     "total_tokens_per_s": round(tokens / (run.prefill_seconds + run.decode_seconds), 1)})
     full = next((row for row in rows if row["method"] == FULL), None)
     for row in rows:
         if full is not None:
