@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ import torch
 from d2o import Budget, get_method
 from d2o.bench.fit import bench_fit, largest_batch
 from d2o.bench.memory import measure_peak
-from d2o.bench.models import random_model
+from d2o.bench.models import random_model, row_prompts
 from d2o.bench.prefill import bench_prefill
 from d2o.engine.cache import CompressedCache
 from d2o.runtime.memory import plan
@@ -134,3 +135,19 @@ def test_the_attention_matrix_is_sized_in_the_models_dtype():
     half = random_model("tiny", positions=512, dtype="bfloat16")
     row, = bench_prefill(half, None, [512], "h2o", Budget.parse("0.2"))
     assert row["attention_matrix_mib"] == 4 * 512**2 * 2 / 2**20  # 4 heads, 2 bytes each
+
+
+def test_fit_prompts_come_from_one_tokenization_and_differ_past_the_end_of_the_essays():
+    calls = []
+
+    def tokenizer(text, add_special_tokens):
+        calls.append(text)
+        return SimpleNamespace(input_ids=list(range(10)))  # essays of 10 tokens
+
+    prompt_of = row_prompts(tokenizer, 256, 4)
+    prompts = [prompt_of(row) for row in range(8)]
+    assert len(calls) == 1
+    assert prompts[:2] == [[0, 1, 2, 3], [4, 5, 6, 7]]  # the essays in order
+    assert prompts[2:4] == [[1, 2, 3, 4], [5, 6, 7, 8]]  # the next pass a token later
+    assert prompts[7] == [7, 8, 9, 0]  # around the end
+    assert len({tuple(p) for p in prompts}) == 8 and all(len(p) == 4 for p in prompts)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from d2o.bench.models import prompt_ids, stock_attention
+from d2o.bench.models import row_prompts, stock_attention
 from d2o.budget import Budget
 from d2o.engine.cache import CompressedCache
 from d2o.errors import D2OError
@@ -119,17 +119,12 @@ def bench_fit(model, tokenizer, cap: int, prompt: int, generate: int, methods: l
     """Per method: the largest batch under ``cap``, its measured tokens/s and peak KV bytes, and
     the ratios to the full cache."""
     check_length(model, prompt, generate)
-    vocab = model.config.get_text_config().vocab_size
+    prompt_of = row_prompts(tokenizer, model.config.get_text_config().vocab_size, prompt)
     rows = []
     for name in methods:
         method = get_method(name)
         method.check_budget(budget)
         need = plan(model.config, method, budget, prompt, generate, dtype_bytes)
-
-        def prompt_of(row: int) -> list[int]:
-            if tokenizer is None:
-                return prompt_ids(tokenizer, vocab, prompt, seed=row)
-            return prompt_ids(tokenizer, vocab, prompt * (row + 1))[-prompt:]
 
         none_fit = D2OError(f"a KV cap of {cap / 2**20:.0f} MiB holds not one {prompt}+{generate}-token sequence "
                             f"under {name} (it needs {need.peak_bytes / 2**20:.0f} MiB)")

@@ -51,6 +51,27 @@ def prompt_ids(tokenizer, vocab_size: int, n_tokens: int, seed: int = 0) -> list
     return torch.randint(3, vocab_size, (n_tokens,), generator=generator).tolist()
 
 
+def row_prompts(tokenizer, vocab_size: int, n_tokens: int):
+    """``row -> token ids``: a different prompt of ``n_tokens`` for every row of a batch. Random ids
+    seeded by the row without a tokenizer; else consecutive stretches of the essays, tokenized once
+    and read as a ring: each pass around starts one token later, so rows differ (up to about as
+    many rows as the essays have tokens)."""
+    if tokenizer is None:
+        return lambda row: prompt_ids(None, vocab_size, n_tokens, seed=row)
+    from d2o.data import essays
+
+    ids = tokenizer(essays(), add_special_tokens=False).input_ids
+    if len(ids) < n_tokens:
+        raise D2OError(f"the essays have {len(ids)} tokens, fewer than the {n_tokens} asked for")
+    ring, per_pass = ids + ids[:n_tokens], len(ids) // n_tokens
+
+    def prompt(row: int) -> list[int]:
+        start = row % per_pass * n_tokens + row // per_pass
+        return ring[start:start + n_tokens]
+
+    return prompt
+
+
 @contextmanager
 def stock_attention(model):
     """The model as transformers ships it (no d2o hook) inside the block: the honest baseline."""
