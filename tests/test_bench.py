@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from d2o import Budget, get_method
+from d2o.bench import fit
 from d2o.bench.fit import bench_fit, largest_batch
 from d2o.bench.memory import measure_peak
 from d2o.bench.models import random_model, row_prompts
@@ -107,6 +108,7 @@ def test_the_gpu_script_runs_on_the_cpu(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["fit", "--kv-memory", "1KB", "--shape", "tiny", "--prompt", "64", "--generate", "8"],
      "a KV cap of 0 MiB holds not one 64+8-token sequence under full"),
+    (["fit", "--kv-memory", "1MB", "--shape", "tiny", "--generate", "1"], "generate must be at least 2, got 1"),
     (["fit", "--kv-memory", "12XB", "--shape", "tiny"],
      "memory size '12XB': expected a number of bytes or a number with a unit"),
     (["decode", "--shape", "tiny", "--positions", "100", "--lengths", "200", "--steps", "2"],
@@ -151,3 +153,13 @@ def test_fit_prompts_come_from_one_tokenization_and_differ_past_the_end_of_the_e
     assert prompts[2:4] == [[1, 2, 3, 4], [5, 6, 7, 8]]  # the next pass a token later
     assert prompts[7] == [7, 8, 9, 0]  # around the end
     assert len({tuple(p) for p in prompts}) == 8 and all(len(p) == 4 for p in prompts)
+
+
+def test_fit_decode_rate_counts_the_tokens_its_steps_computed(tiny, monkeypatch):
+    """generate - 1 per row: the first token comes from the prefill's logits, before decoding."""
+    clock = iter(range(10**6))
+    monkeypatch.setattr(fit, "perf_counter", lambda: next(clock))  # every timed phase takes 1 s
+    prompt, generate, budget = 64, 5, Budget(ratio=0.2, min_tokens=8)
+    full = plan(tiny.config, get_method("full"), budget, prompt, generate)
+    for row in bench_fit(tiny, None, 3 * full.held_bytes, prompt, generate, ["full", "h2o"], budget, 4):
+        assert row["decode_tokens_per_s"] == row["batch"] * (generate - 1)

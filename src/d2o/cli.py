@@ -291,7 +291,10 @@ def bench_fit(
     """The largest batch each method fits under a KV memory cap, and the tokens/s it reaches there."""
 
     cap, names, parsed = parse_bytes(kv_memory), split_list(methods), Budget.parse(budget)
-    at_least_one(prompt=prompt, generate=generate)
+    at_least_one(prompt=prompt)
+    if generate < 2:
+        raise D2OError(f"generate must be at least 2, got {generate}: the first token comes from the prefill, and "
+                       f"decoding is timed from the second")
     check_device(device)
 
     from d2o.bench import plots

@@ -15,8 +15,8 @@ such a batch outgrow the cap). Tokens/s is given over the decoding and over the 
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
+from time import perf_counter
 
 import torch
 from transformers import DynamicCache
@@ -36,13 +36,15 @@ FULL = "full"
 @dataclass
 class Run:
     """A measured batch: its rows, the KV bytes its fit rule let it reach, the most it held
-    (measured after every prefill, before and after compression, and every step) and its seconds."""
+    (measured after every prefill, before and after compression, and every step), its seconds, and
+    the tokens its decode steps computed (a row's first token comes from its prefill's logits)."""
 
     batch: int
     planned_bytes: int
     peak_bytes: int
     prefill_seconds: float
     decode_seconds: float
+    decode_tokens: int
 
 
 def largest_batch(cap: int, prefill_bytes: int, held_bytes: int) -> int:
@@ -56,13 +58,13 @@ def _run_full(model, need, cap: int, prompt_of, generate: int) -> Run:
     """The stock cache: ``largest_batch`` rows prefilled in one batch, then decoded."""
     batch = largest_batch(cap, need.prefill_bytes, need.held_bytes)
     prompts = [prompt_of(row) for row in range(batch)]
-    start = time.perf_counter()
+    start = perf_counter()
     decoding = Batch.prefill(model, DynamicCache(config=model.config), prompts,
                              [Sequence(None, generate) for _ in prompts])
-    prefill_seconds = time.perf_counter() - start
-    most = _held(decoding.cache)
-    decode_seconds, most = _decode(decoding, most)
-    return Run(batch, (batch - 1) * need.held_bytes + need.peak_bytes, most, prefill_seconds, decode_seconds)
+    prefill_seconds = perf_counter() - start
+    decode_seconds, decode_tokens, most = _decode(decoding, _held(decoding.cache))
+    return Run(batch, (batch - 1) * need.held_bytes + need.peak_bytes, most, prefill_seconds, decode_seconds,
+               decode_tokens)
 
 
 def _run_packed(model, method, budget, need, cap: int, per_slot: int, prompt_of, generate: int) -> Run:
@@ -73,11 +75,11 @@ def _run_packed(model, method, budget, need, cap: int, per_slot: int, prompt_of,
         if held + need.prefill_bytes > cap:
             break
         cache = CompressedCache(model, method, budget)
-        start = time.perf_counter()
+        start = perf_counter()
         with cache.hold():  # compressed when the block ends: its whole prompt is measured first
             one = Batch.prefill(model, cache, [prompt_of(decoding.size if decoding else 0)], [Sequence(None, generate)])
             whole = cache.nbytes
-        seconds = time.perf_counter() - start
+        seconds = perf_counter() - start
         widths = slot_widths(cache)
         if decoding:
             widths = [max(mine, theirs) for mine, theirs in zip(widths, slot_widths(decoding.cache))]
@@ -93,19 +95,21 @@ def _run_packed(model, method, budget, need, cap: int, per_slot: int, prompt_of,
             decoding.join(one)
         most = max(most, decoding.cache.nbytes)
     if decoding is None:
-        return Run(0, 0, 0, 0.0, 0.0)
+        return Run(0, 0, 0, 0.0, 0.0, 0)
     batch = decoding.size  # rows leave the batch as they finish
-    decode_seconds, most = _decode(decoding, most)
-    return Run(batch, planned, most, prefill_seconds, decode_seconds)
+    decode_seconds, decode_tokens, most = _decode(decoding, most)
+    return Run(batch, planned, most, prefill_seconds, decode_seconds, decode_tokens)
 
 
-def _decode(decoding: Batch, most: int) -> tuple[float, int]:
-    """Decode every row to its end; the seconds it took and the most KV bytes held (``most`` so far)."""
-    start = time.perf_counter()
+def _decode(decoding: Batch, most: int) -> tuple[float, int, int]:
+    """Decode every row to its end; the seconds it took, the tokens its forward passes computed
+    (a row's last step picks its last token and runs none) and the most KV bytes held (``most`` so far)."""
+    start, tokens = perf_counter(), 0
     while decoding.sequences:
         decoding.step()
+        tokens += decoding.size  # the rows still running: each took a forward pass in this step
         most = max(most, _held(decoding.cache))
-    return time.perf_counter() - start, most
+    return perf_counter() - start, tokens, most
 
 
 def _held(cache) -> int:
@@ -119,6 +123,9 @@ def bench_fit(model, tokenizer, cap: int, prompt: int, generate: int, methods: l
     """Per method: the largest batch under ``cap``, its measured tokens/s and peak KV bytes, and
     the ratios to the full cache."""
     check_length(model, prompt, generate)
+    if generate < 2:
+        raise D2OError(f"generate must be at least 2, got {generate}: the first token comes from the prefill, and "
+                       f"decoding is timed from the second")
     prompt_of = row_prompts(tokenizer, model.config.get_text_config().vocab_size, prompt)
     rows = []
     for name in methods:
@@ -139,12 +146,11 @@ def bench_fit(model, tokenizer, cap: int, prompt: int, generate: int, methods: l
                 run = _run_packed(model, method, budget, need, cap, per_slot, prompt_of, generate)
         if run.batch == 0:  # a row's plan bounds its peak, so this is not expected
             raise none_fit
-        tokens = run.batch * generate
         rows.append({"method": name, "budget": "-" if name == FULL else str(budget), "batch": run.batch,
                      "planned_kv_mib": round(run.planned_bytes / 2**20, 1),
                      "peak_kv_mib": round(run.peak_bytes / 2**20, 1),
-                     "decode_tokens_per_s": round(tokens / run.decode_seconds, 1),
-                     "total_tokens_per_s": round(tokens / (run.prefill_seconds + run.decode_seconds), 1)})
+                     "decode_tokens_per_s": round(run.decode_tokens / run.decode_seconds, 1),
+                     "total_tokens_per_s": round(run.batch * generate / (run.prefill_seconds + run.decode_seconds), 1)})
     full = next((row for row in rows if row["method"] == FULL), None)
     for row in rows:
         if full is not None:
