@@ -12,6 +12,7 @@ import torch
 
 from d2o import Budget, get_method
 from d2o.bench import fit
+from d2o.bench.decode import bench_decode
 from d2o.bench.fit import bench_fit, largest_batch
 from d2o.bench.memory import measure_peak
 from d2o.bench.models import random_model, row_prompts
@@ -86,6 +87,14 @@ def test_fit_counts_the_last_rows_uncompressed_prompt_in_its_peak(tiny):
     row, = bench_fit(tiny, None, need.prefill_bytes + 10 * need.held_bytes, prompt, generate, ["h2o"], budget, 4)
     assert row["batch"] == 11
     assert row["peak_kv_mib"] == row["planned_kv_mib"] == round((need.prefill_bytes + 10 * need.held_bytes) / 2**20, 1)
+
+
+def test_a_method_decoding_alone_reports_its_own_peak_not_the_others_caches(tiny):
+    """As on a GPU: each method's batch is built, decoded and freed before the next one's."""
+    rows = {row["method"]: row for row in bench_decode(tiny, None, ["full", "h2o"], [480], [32], Budget.parse("0.2"),
+                                                       steps=2, alone=True)}
+    assert rows["full"]["peak_mib"] >= rows["full"]["kv_mib"] > 3 * rows["h2o"]["kv_mib"]  # 15 MiB
+    assert rows["h2o"]["peak_mib"] < rows["full"]["kv_mib"]  # the full cache is not held beside it
 
 
 def test_the_gpu_script_runs_on_the_cpu(tmp_path):

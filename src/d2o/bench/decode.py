@@ -4,10 +4,10 @@ Every (length, batch) cell prefills one prompt once per kind of cache (the stock
 cache for ``full``; one shared prefill forked per method for the others), repeats that row to
 the batch size and times ``steps`` decode steps. On the CPU the methods take their steps in
 turn (the order reversed every step), so a drift in machine load hits every method alike, step by
-step; on a GPU, where timings are steady, each method decodes alone so that the peak memory it
-reports is its own. The full cache is transformers' own ``DynamicCache`` under its own SDPA
-attention: the baseline a user has without d2o.
-"""
+step; on a GPU, where timings are steady, each method's batch is built, decoded and freed before
+the next one's is built, so that the peak memory it reports is its own (what its run adds to the
+memory held before it: the weights and the prompt's prefills). The full cache is transformers' own
+``DynamicCache`` under its own SDPA attention: the baseline a user has without d2o."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import statistics
 import torch
 from transformers import DynamicCache
 
+from d2o.bench.memory import measure_peak
 from d2o.bench.models import prompt_ids, stock_attention
 from d2o.errors import D2OError
 from d2o.methods import get_method
@@ -46,37 +47,34 @@ def _step(model, name: str, run: Batch) -> None:
         run.step()
 
 
-def _decode(model, runs: dict[str, Batch]) -> dict[str, int | None]:
-    """Decode every method's batch to the end; return each one's peak memory on a GPU (weights
-    included), else None."""
-    device = next(iter(runs.values())).logits.device
-    if device.type != "cuda":
-        order = list(runs)
-        while any(run.sequences for run in runs.values()):
-            for name in order:
-                if runs[name].sequences:
-                    _step(model, name, runs[name])
-            order.reverse()
-        return {name: None for name in runs}
-    peaks = {}
-    for name, run in runs.items():
-        torch.cuda.reset_peak_memory_stats(device)
-        while run.sequences:
-            _step(model, name, run)
-        peaks[name] = torch.cuda.max_memory_allocated(device)
-    return peaks
+def _decode_alone(model, name: str, run: Batch) -> Batch:
+    while run.sequences:
+        _step(model, name, run)
+    return run
+
+
+def _decode_in_turn(model, runs: dict[str, Batch]) -> None:
+    order = list(runs)
+    while any(run.sequences for run in runs.values()):
+        for name in order:
+            if runs[name].sequences:
+                _step(model, name, runs[name])
+        order.reverse()
 
 
 def bench_decode(model, tokenizer, methods: list[str], lengths: list[int], batches: list[int], budget,
-                 steps: int = 32, repeats: int = 1) -> list[dict]:
+                 steps: int = 32, repeats: int = 1, alone: bool | None = None) -> list[dict]:
     """Per (length, batch, method): ms per decode step, tokens/s, KV bytes, and each against the
-    full cache measured in the same run."""
+    full cache measured in the same run. ``alone``: each method decodes alone, its peak memory
+    measured (``peak_mib``; by default on a GPU), rather than in turn with the others."""
     policies = {name: get_method(name) for name in methods if name != FULL}
     for name, policy in policies.items():
         policy.check_budget(budget)
         if policy.repeats_kv_heads:
             raise D2OError(f"{name} stores KV heads per query head and cannot share a prefill: bench it with full only")
     vocab = model.config.get_text_config().vocab_size
+    device = next(model.parameters()).device
+    alone = device.type == "cuda" if alone is None else alone
     rows = []
     for n_tokens in lengths:
         check_length(model, n_tokens, steps)
@@ -96,21 +94,29 @@ def bench_decode(model, tokenizer, methods: list[str], lengths: list[int], batch
             return _start(model, shared.fork(names.index(name), budget), first, batch, steps)
 
         for batch in batches:
-            step_seconds = {name: [] for name in methods}
+            step_seconds, held, peak = {name: [] for name in methods}, {}, {}
             for _ in range(repeats):
-                runs = {name: start(name, batch) for name in methods}
-                peak = _decode(model, runs)
-                held = {name: kv_bytes(run.cache) for name, run in runs.items()}
-                for name, run in runs.items():
-                    step_seconds[name] += run.step_seconds
-                del runs
+                if alone:
+                    for name in methods:  # no other method's batch is held while this one runs
+                        run, most = measure_peak(lambda: _decode_alone(model, name, start(name, batch)), device)
+                        peak[name] = max(peak.get(name, 0), most)
+                        held[name] = kv_bytes(run.cache)
+                        step_seconds[name] += run.step_seconds
+                        del run  # freed before the next method's run is measured
+                else:
+                    runs = {name: start(name, batch) for name in methods}
+                    _decode_in_turn(model, runs)
+                    for name, run in runs.items():
+                        held[name] = kv_bytes(run.cache)
+                        step_seconds[name] += run.step_seconds
+                    del runs
             seconds = {name: statistics.median(values) for name, values in step_seconds.items()}
             for name in methods:
                 row = {"length": n_tokens, "batch": batch, "method": name,
                        "budget": "-" if name == FULL else str(budget),
                        "ms_per_step": round(1000 * seconds[name], 2),
                        "tokens_per_s": round(batch / seconds[name], 1), "kv_mib": round(held[name] / 2**20, 3)}
-                if peak[name] is not None:
+                if name in peak:
                     row["peak_mib"] = round(peak[name] / 2**20, 1)
                 if FULL in seconds:
                     row["time_vs_full"] = round(seconds[name] / seconds[FULL], 3)
