@@ -17,6 +17,7 @@ from d2o.bench.fit import bench_fit, largest_batch
 from d2o.bench.memory import measure_peak
 from d2o.bench.models import random_model, row_prompts
 from d2o.bench.prefill import bench_prefill
+from d2o.bench.throughput import integrate
 from d2o.engine.cache import CompressedCache
 from d2o.runtime.memory import plan
 
@@ -172,3 +173,11 @@ def test_fit_decode_rate_counts_the_tokens_its_steps_computed(tiny, monkeypatch)
     full = plan(tiny.config, get_method("full"), budget, prompt, generate)
     for row in bench_fit(tiny, None, 3 * full.held_bytes, prompt, generate, ["full", "h2o"], budget, 4):
         assert row["decode_tokens_per_s"] == row["batch"] * (generate - 1)
+
+
+def test_throughput_reads_the_memory_at_the_last_steps_context_as_it_does_the_step_times():
+    measured = [{"method": "full", "budget": "-", "batch": 2, "length": length, "ms_per_step": ms, "kv_mib": kv,
+                 "peak_mib": peak} for length, ms, kv, peak in [(100, 10.0, 1.0, 3.0), (200, 20.0, 2.0, 5.0)]]
+    row, = integrate(measured, prompt=100, generate=51)  # steps at contexts 100..150
+    assert row["seconds"] == round(sum(10 + (context - 100) / 10 for context in range(100, 151)) / 1000, 2)
+    assert row["kv_mib_at_end"] == 1.5 and row["peak_mib"] == 4.0  # not the longest context's 2.0 and 5.0

@@ -4,7 +4,9 @@ Generating G tokens after a P-token prompt takes the sum of G step times; a step
 on what the cache holds, which grows with the context for the full cache and stays at the
 budget for an evicting method (held to a token budget, it holds the same whatever the prompt).
 ``bench decode`` measures steps at several contexts; this integrates them over P..P+G
-(piecewise linear between measured contexts) into tokens/s per method and batch.
+(piecewise linear between measured contexts) into tokens/s per method and batch, and reads the
+KV memory (and the peak, where measured) at the last step's context the same way: a method that
+stops evicting after its prefill, like the full cache, grows by every generated token.
 """
 
 from __future__ import annotations
@@ -24,13 +26,13 @@ def integrate(rows: list[dict], prompt: int, generate: int) -> list[dict]:
         if lengths[0] > prompt or lengths[-1] < prompt + generate - 1:
             raise D2OError(f"{method} at batch {batch}: contexts {lengths[0]}..{lengths[-1]} do not cover "
                            f"{prompt}..{prompt + generate - 1}")
-        seconds = sum(_step_seconds(by_length, lengths, prompt + step) for step in range(generate))
-        last = by_length[lengths[-1]]
+        seconds = sum(_at(by_length, lengths, prompt + step, "ms_per_step") for step in range(generate)) / 1000
+        end = prompt + generate - 1  # the context of the last step
         row = {"method": method, "budget": budget, "batch": batch, "prompt": prompt, "generate": generate,
                "seconds": round(seconds, 2), "tokens_per_s": round(batch * generate / seconds, 1),
-               "kv_mib_at_end": last["kv_mib"]}
-        if "peak_mib" in last:
-            row["peak_mib"] = last["peak_mib"]
+               "kv_mib_at_end": round(_at(by_length, lengths, end, "kv_mib"), 3)}
+        if all("peak_mib" in measured for measured in by_length.values()):
+            row["peak_mib"] = round(_at(by_length, lengths, end, "peak_mib"), 1)
         out.append(row)
     full = {row["batch"]: row for row in out if row["method"] == "full"}
     for row in out:
@@ -39,9 +41,10 @@ def integrate(rows: list[dict], prompt: int, generate: int) -> list[dict]:
     return out
 
 
-def _step_seconds(by_length: dict[int, dict], lengths: list[int], context: int) -> float:
+def _at(by_length: dict[int, dict], lengths: list[int], context: int, key: str) -> float:
+    """``key`` at ``context``, linear between the measured contexts around it."""
     for low, high in zip(lengths, lengths[1:]):
         if low <= context <= high:
             weight = (context - low) / (high - low)
-            return ((1 - weight) * by_length[low]["ms_per_step"] + weight * by_length[high]["ms_per_step"]) / 1000
-    return by_length[lengths[-1]]["ms_per_step"] / 1000
+            return (1 - weight) * by_length[low][key] + weight * by_length[high][key]
+    return by_length[lengths[-1]][key]
