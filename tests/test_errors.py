@@ -114,6 +114,31 @@ def test_local_model_folders_load_and_generate(real_model, tmp_path, arch):
     assert result.report.kv_tokens_kept == sum(result.report.layer_budgets)
 
 
+@pytest.mark.parametrize("spoil, message", [
+    ("cut", "cannot load its weights (Error while deserializing header"),
+    ("wider", "its weights do not fit its config.json: model.layers.0.mlp.down_proj.weight is [64, 128], the config "
+              "makes it [64, 256] (12 tensors differ)"),
+    ("deeper", "its weights lack model.layers.4.input_layernorm.weight (18 tensors in all)"),
+])
+def test_a_model_folder_whose_weights_are_cut_or_fit_another_config(monkeypatch, capsys, real_model, tmp_path, spoil,
+                                                                    message):
+    import json
+
+    from conftest import tiny_model
+
+    _, tokenizer = real_model
+    tiny_model("llama", vocab_size=len(tokenizer)).save_pretrained(tmp_path)  # 4 layers, MLP 128 wide
+    tokenizer.save_pretrained(tmp_path)
+    weights, config = tmp_path / "model.safetensors", json.loads((tmp_path / "config.json").read_text())
+    if spoil == "cut":
+        weights.write_bytes(weights.read_bytes()[:1000])
+    else:
+        config.update(intermediate_size=256) if spoil == "wider" else config.update(num_hidden_layers=6)
+        (tmp_path / "config.json").write_text(json.dumps(config))
+    code, _, err = run_cli(monkeypatch, capsys, "generate", "--model", str(tmp_path), "--prompt", "hi")
+    assert code == 2 and err.count("\n") == 1 and message in err, err  # transformers' load report left out
+
+
 @pytest.mark.parametrize("args, message", [
     (["generate", "--prompt", "hi", "--budget", "abc"], "budget 'abc' is neither a ratio"),
     (["eval", "--task", "passkey", "--task-option", "nope=1"], "task 'passkey' takes no option nope"),

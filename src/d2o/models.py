@@ -15,7 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as hf_logging
 
 from d2o.engine.attention import check_family, install
 from d2o.errors import D2OError
@@ -76,8 +78,7 @@ def load_model(
     tokenizer = _loaded(folder, "tokenizer", AutoTokenizer.from_pretrained)
     # use_kernels=False: transformers >= 5.25 swaps layers for Hub kernels by default, fetched online;
     # d2o runs offline and its reference is the stock model's own PyTorch layers.
-    model = _loaded(folder, "weights", AutoModelForCausalLM.from_pretrained, dtype=torch_dtype,
-                    attn_implementation="sdpa", device_map=device_map, use_kernels=False)
+    model = _weights(folder, dtype=torch_dtype, attn_implementation="sdpa", device_map=device_map, use_kernels=False)
     if device is not None:
         model.to(device)
     model.eval()
@@ -102,9 +103,30 @@ def _loaded(folder: Path, part: str, load, **options):
     """``load(folder)``, its failure (a part missing or unreadable) turned into one line."""
     try:
         return load(folder, **options)
-    except (OSError, ValueError, KeyError, TypeError) as error:
+    except (OSError, ValueError, KeyError, TypeError, SafetensorError) as error:  # SafetensorError: a cut file
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise D2OError(f"folder {str(folder)!r}: cannot load its {part} ({first})") from None
+
+
+def _weights(folder: Path, **options):
+    """The model of ``folder``; weights unreadable, or not the tensors its config.json makes (other
+    shapes, or some missing, which transformers would fill with random values), in one line."""
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # transformers' load report: what matters in it is raised below
+    try:
+        model, info = _loaded(folder, "weights", AutoModelForCausalLM.from_pretrained, output_loading_info=True,
+                              ignore_mismatched_sizes=True, **options)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    mismatched, missing = sorted(info["mismatched_keys"]), sorted(info["missing_keys"])
+    if mismatched:
+        name, saved, expected = mismatched[0]
+        raise D2OError(f"folder {str(folder)!r}: its weights do not fit its config.json: {name} is {list(saved)}, "
+                       f"the config makes it {list(expected)} ({len(mismatched)} tensors differ)")
+    if missing:
+        raise D2OError(f"folder {str(folder)!r}: its weights lack {missing[0]} ({len(missing)} tensors in all) "
+                       f"that its config.json makes")
+    return model
 
 
 def embedded_model_folder(name: str) -> Path:
