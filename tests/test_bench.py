@@ -181,3 +181,17 @@ def test_throughput_reads_the_memory_at_the_last_steps_context_as_it_does_the_st
     row, = integrate(measured, prompt=100, generate=51)  # steps at contexts 100..150
     assert row["seconds"] == round(sum(10 + (context - 100) / 10 for context in range(100, 151)) / 1000, 2)
     assert row["kv_mib_at_end"] == 1.5 and row["peak_mib"] == 4.0  # not the longest context's 2.0 and 5.0
+
+
+@pytest.mark.parametrize("rows, message", [
+    ([], "no rows of `d2o bench decode` to integrate"),
+    ([{"method": "full", "budget": "-", "batch": 8, "peak_kv_mib": 1.7}],  # a row of bench fit
+     "a row that `d2o bench decode` did not write: length, ms_per_step, kv_mib missing or not a number"),
+])
+def test_throughput_of_rows_not_from_bench_decode_is_one_line_and_exit_code_2(rows, message, tmp_path):
+    (tmp_path / "decode.json").write_text(json.dumps({"rows": rows}))
+    done = subprocess.run([sys.executable, "-c", "from d2o.cli import main; main()", "bench", "throughput",
+                           "--decode", str(tmp_path / "decode.json"), "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1 and message in done.stderr

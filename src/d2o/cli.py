@@ -345,6 +345,8 @@ def bench_throughput(
     out: Path = OUT,
 ):
     """Tokens/s of a long generation, integrated from decode steps measured at several contexts."""
+    at_least_one(prompt=prompt, generate=generate)
+
     from d2o.bench import plots
     from d2o.bench.output import emit
     from d2o.bench.throughput import integrate

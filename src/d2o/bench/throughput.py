@@ -13,10 +13,19 @@ from __future__ import annotations
 
 from d2o.errors import D2OError
 
+NUMBERS = ("length", "batch", "ms_per_step", "kv_mib")  # what a row of ``bench decode`` measures, besides its method
+
 
 def integrate(rows: list[dict], prompt: int, generate: int) -> list[dict]:
     """Tokens/s of ``generate`` tokens after ``prompt`` per (method, batch), from ``bench decode``
     rows measured at contexts covering [prompt, prompt + generate]."""
+    if not isinstance(rows, list) or not rows:
+        raise D2OError("no rows of `d2o bench decode` to integrate")
+    for row in rows:
+        bad = [key for key in ("method", "budget", *NUMBERS) if not isinstance(row, dict) or key not in row
+               or (key in NUMBERS and not isinstance(row[key], (int, float)))]
+        if bad:
+            raise D2OError(f"a row that `d2o bench decode` did not write: {', '.join(bad)} missing or not a number")
     cells: dict[tuple, dict[int, dict]] = {}
     for row in rows:
         cells.setdefault((row["method"], row["budget"], row["batch"]), {})[row["length"]] = row
