@@ -163,7 +163,14 @@ def test_a_model_folder_whose_weights_are_cut_or_fit_another_config(monkeypatch,
     (["bench", "fit", "--kv-memory", "1GB", "--prompt", "0"], "prompt must be at least 1, got 0"),
     (["bench", "prefill", "--lengths", "0"], "lengths must be at least 1, got 0"),
     (["bench", "prefill", "--repeats", "0"], "repeats must be at least 1, got 0"),
+    (["bench", "decode", "--out", "pyproject.toml"], "results folder 'pyproject.toml' is a file"),
+    (["bench", "fit", "--kv-memory", "1GB", "--out", "pyproject.toml/fit"],
+     "results folder 'pyproject.toml/fit' would lie under 'pyproject.toml', which is a file"),
+    (["bench", "prefill", "--out", "pyproject.toml"], "results folder 'pyproject.toml' is a file"),
+    (["bench", "throughput", "--decode", "decode.json", "--out", "pyproject.toml"],
+     "results folder 'pyproject.toml' is a file"),
     (["bench", "throughput", "--decode", "decode.json", "--generate", "0"], "generate must be at least 1, got 0"),
+    (["bench", "serve", "--out", "tests"], "results file 'tests' is a folder"),
 ])
 def test_bad_input_fails_before_torch_loads(args, message):
     """Checked at the front door: one line, exit code 2, and neither torch nor a model was loaded."""

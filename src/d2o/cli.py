@@ -209,6 +209,17 @@ def at_least_one(**values) -> None:
             raise D2OError(f"{name} must be at least 1, got {bad[0]}")
 
 
+def check_out(out: Path, folder: bool = True) -> None:
+    """Refuse a results path that cannot be written before the run, not after it: a folder that is a
+    file, a file that is a folder, or either under a file."""
+    what = "folder" if folder else "file"
+    if out.exists() and out.is_dir() != folder:
+        raise D2OError(f"results {what} {str(out)!r} is a {'file' if folder else 'folder'}")
+    above = next((parent for parent in out.parents if parent.exists()), None)
+    if above is not None and not above.is_dir():
+        raise D2OError(f"results {what} {str(out)!r} would lie under {str(above)!r}, which is a file")
+
+
 def check_device(device: str | None) -> None:
     if device is not None and device != "cpu" and not re.fullmatch(r"cuda(:\d+)?", device):
         raise D2OError(f"device {device!r}: cpu or cuda (cuda:N for another GPU)")
@@ -265,6 +276,7 @@ def bench_decode(
     batches = split_list(batch, int)
     at_least_one(lengths=sizes, batch=batches, steps=steps, repeats=repeats)
     check_device(device)
+    check_out(out)
 
     from d2o.bench import plots
     from d2o.bench.decode import bench_decode as run
@@ -296,6 +308,7 @@ def bench_fit(
         raise D2OError(f"generate must be at least 2, got {generate}: the first token comes from the prefill, and "
                        f"decoding is timed from the second")
     check_device(device)
+    check_out(out)
 
     from d2o.bench import plots
     from d2o.bench.fit import bench_fit as run
@@ -325,6 +338,7 @@ def bench_prefill(
     parsed, sizes = Budget.parse(budget), split_list(lengths, int)
     at_least_one(lengths=sizes, repeats=repeats)
     check_device(device)
+    check_out(out)
 
     from d2o.bench import plots
     from d2o.bench.output import emit
@@ -346,6 +360,7 @@ def bench_throughput(
 ):
     """Tokens/s of a long generation, integrated from decode steps measured at several contexts."""
     at_least_one(prompt=prompt, generate=generate)
+    check_out(out)
 
     from d2o.bench import plots
     from d2o.bench.output import emit
@@ -382,6 +397,8 @@ def bench_serve(
         raise D2OError("clients, requests, prompt-tokens and max-tokens must be at least 1")
     if not names:
         raise D2OError("no methods given")
+    if out is not None:
+        check_out(out, folder=False)
 
     from d2o.runtime.generation import resolve
 
