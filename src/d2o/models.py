@@ -19,7 +19,7 @@ from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from d2o.engine.attention import check_family, install
+from d2o.engine.attention import check_backend, check_family, install
 from d2o.errors import D2OError
 from d2o.paths import cache_dir
 
@@ -68,6 +68,7 @@ def load_model(
     """
     if device is not None and device_map is not None:
         raise D2OError("give a device or a device map, not both")
+    check_backend(attention)  # before the weights load
     torch_dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
     if not isinstance(torch_dtype, torch.dtype):
         raise D2OError(f"dtype {dtype!r} is not supported: choose one of {', '.join(DTYPES)}")

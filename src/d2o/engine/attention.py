@@ -200,6 +200,11 @@ def check_family(config) -> None:
         )
 
 
+def check_backend(backend: str) -> None:
+    if backend not in ATTENTION_NAMES:
+        raise D2OError(f"attention backend {backend!r} is not supported: choose sdpa or eager")
+
+
 def install(model, backend: str | None = None) -> None:
     """Route ``model``'s attention through d2o's hook; ``backend`` is "sdpa" (default) or "eager".
 
@@ -212,8 +217,7 @@ def install(model, backend: str | None = None) -> None:
         if current in ATTENTION_NAMES.values():
             return
         backend = "eager" if current == "eager" else "sdpa"
-    if backend not in ATTENTION_NAMES:
-        raise D2OError(f"attention backend {backend!r} is not supported: choose sdpa or eager")
+    check_backend(backend)
     register()
     if current not in ATTENTION_NAMES.values():
         setattr(model, STOCK_ATTRIBUTE, current)
