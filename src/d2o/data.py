@@ -19,12 +19,17 @@ def essays() -> str:
     return "\n\n".join(path.read_text(encoding="utf-8").strip() for path in sorted(folder.glob("*.txt")))
 
 
+def all_essay_tokens(tokenizer, at_least: int) -> list[int]:
+    """Every token of the essays, refusing a need of more than they have."""
+    ids = tokenizer(essays(), add_special_tokens=False).input_ids
+    if len(ids) < at_least:
+        raise D2OError(f"the essays have {len(ids)} tokens, fewer than the {at_least} asked for")
+    return ids
+
+
 def essay_tokens(tokenizer, n_tokens: int) -> list[int]:
     """The first ``n_tokens`` tokens of the essays (real text for speed and memory benchmarks)."""
-    ids = tokenizer(essays(), add_special_tokens=False).input_ids
-    if len(ids) < n_tokens:
-        raise D2OError(f"the essays have {len(ids)} tokens, fewer than the {n_tokens} asked for")
-    return ids[:n_tokens]
+    return all_essay_tokens(tokenizer, n_tokens)[:n_tokens]
 
 
 def read_text_file(path: str | Path) -> str:

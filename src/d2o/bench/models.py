@@ -58,11 +58,9 @@ def row_prompts(tokenizer, vocab_size: int, n_tokens: int):
     many rows as the essays have tokens)."""
     if tokenizer is None:
         return lambda row: prompt_ids(None, vocab_size, n_tokens, seed=row)
-    from d2o.data import essays
+    from d2o.data import all_essay_tokens
 
-    ids = tokenizer(essays(), add_special_tokens=False).input_ids
-    if len(ids) < n_tokens:
-        raise D2OError(f"the essays have {len(ids)} tokens, fewer than the {n_tokens} asked for")
+    ids = all_essay_tokens(tokenizer, n_tokens)
     ring, per_pass = ids + ids[:n_tokens], len(ids) // n_tokens
 
     def prompt(row: int) -> list[int]:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from d2o.errors import D2OError
+from d2o.options import whole
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,7 @@ class Sampling:
             raise D2OError(f"temperature={self.temperature!r} must be >= 0 (0: greedy)")
         if not 0.0 < self.top_p <= 1.0:
             raise D2OError(f"top_p={self.top_p!r} must be in (0, 1]")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+        if not whole(self.top_k) or self.top_k < 0:
             raise D2OError(f"top_k={self.top_k!r} must be a whole number >= 0 (0: no limit)")
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             raise D2OError(f"seed={self.seed} must fit in 64 bits")

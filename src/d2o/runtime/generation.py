@@ -59,10 +59,10 @@ def generate(
 ) -> Generation:
     """Answer ``prompts`` (one string or a batch) with ``method`` holding the cache to ``budget``.
 
+    ``prompts``: a text, a conversation (a list of messages; ``chat=True``) or a list of either.
     Greedy by default; ``temperature`` > 0 samples (among the ``top_k`` likeliest, within ``top_p``,
-    from ``seed``). ``prompts``: a text, a conversation (a list of messages; ``chat=True``) or a list
-    of either. An answer
-    ends at the model's end-of-sequence token, at a ``stop`` string, or after ``max_new_tokens``.
+    from ``seed``). An answer ends at the model's end-of-sequence token, at a ``stop`` string, or
+    after ``max_new_tokens``.
     ``min_tokens``: the floor under a ratio budget (``d2o.budget.MIN_TOKENS`` by default).
     """
     method, budget = resolve(method, budget, min_tokens, **method_options)
