@@ -17,6 +17,7 @@ from d2o.bench.fit import bench_fit, largest_batch
 from d2o.bench.memory import measure_peak
 from d2o.bench.models import random_model, row_prompts
 from d2o.bench.prefill import bench_prefill
+from d2o.bench.serve import serve_prompts
 from d2o.bench.throughput import integrate
 from d2o.engine.cache import CompressedCache
 from d2o.runtime.memory import plan
@@ -163,6 +164,19 @@ def test_fit_prompts_come_from_one_tokenization_and_differ_past_the_end_of_the_e
     assert prompts[2:4] == [[1, 2, 3, 4], [5, 6, 7, 8]]  # the next pass a token later
     assert prompts[7] == [7, 8, 9, 0]  # around the end
     assert len({tuple(p) for p in prompts}) == 8 and all(len(p) == 4 for p in prompts)
+
+
+def test_serve_prompts_differ_for_more_requests_than_the_essays_hold():
+    def tokenize(text, add_special_tokens):
+        return SimpleNamespace(input_ids=list(range(10)))  # essays of 10 tokens
+
+    class Tokenizer:
+        __call__ = staticmethod(tokenize)
+        decode = staticmethod(lambda ids: " ".join(map(str, ids)))
+
+    prompts = serve_prompts(Tokenizer(), 8, 4)  # 8 x 4 tokens from essays of 10 (a stride of 97 ran out)
+    assert prompts[:3] == ["0 1 2 3", "4 5 6 7", "1 2 3 4"]
+    assert len(set(prompts)) == 8 and all(len(p.split()) == 4 for p in prompts)
 
 
 def test_fit_decode_rate_counts_the_tokens_its_steps_computed(tiny, monkeypatch):

@@ -2,7 +2,7 @@
 
 For each method, a server (the engine and app of ``d2o serve``, in this process) and ``clients``
 concurrent streaming clients that send ``requests`` long prompts in all, back to back; each
-prompt is a different stretch of the essays. Reports requests/s, tokens/s, latency and time to
+prompt is a different stretch of the essays (``row_prompts``: as many requests as wanted). Reports requests/s, tokens/s, latency and time to
 first token (p50/p95), how many requests ran at once, and the KV bytes held at most.
 """
 
@@ -16,7 +16,7 @@ import time
 
 import httpx
 
-from d2o.data import essay_tokens
+from d2o.bench.models import row_prompts
 from d2o.runtime.generation import generate
 from d2o.serve.app import create_app, serving
 from d2o.serve.config import ServeConfig
@@ -64,13 +64,17 @@ def _quantile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1]
 
 
+def serve_prompts(tokenizer, requests: int, prompt_tokens: int) -> list[str]:
+    """``requests`` different texts of ``prompt_tokens`` tokens each, from the essays."""
+    prompt_of = row_prompts(tokenizer, None, prompt_tokens)
+    return [tokenizer.decode(prompt_of(i)) for i in range(requests)]
+
+
 def bench_serve(model, tokenizer, methods: list[tuple[str, str]], kv_memory: int, clients: int = 8,
                 requests: int = 16, prompt_tokens: int = 1000, max_tokens: int = 64,
                 min_tokens: int | None = None) -> list[dict]:
     """One row per (method, budget): throughput, latency and memory under ``kv_memory``."""
-    stride = 97  # each request's prompt starts this many tokens after the previous one's
-    ids = essay_tokens(tokenizer, prompt_tokens + stride * requests)
-    prompts = [tokenizer.decode(ids[i * stride:i * stride + prompt_tokens]) for i in range(requests)]
+    prompts = serve_prompts(tokenizer, requests, prompt_tokens)
     generate(model, tokenizer, "Hello", "full", 1.0, max_new_tokens=2)  # warm up, outside the timings
     rows = []
     for method, budget in methods:
