@@ -147,6 +147,7 @@ class CompressedLayer(CacheLayerMixin):
         self.owns_storage = True
         self._offsets: torch.Tensor | None = None  # (B, G, 1): where each row and head starts in a flat view
         self._offsets_width = 0  # the slots per row and head those offsets were made for
+        self._rows: list[tuple[torch.Tensor, torch.Tensor]] = []  # the last two slots given to `rows_of`, and its answers
 
     # -- transformers' layer interface --------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -206,7 +207,15 @@ class CompressedLayer(CacheLayerMixin):
         if self._offsets is None or self._offsets.shape[:2] != (batch, heads) or self._offsets_width != n_slots:
             self._offsets = row_offsets(batch, heads, n_slots, self.device)
             self._offsets_width = n_slots
-        return (slots + self._offsets).flatten()
+            self._rows = []
+        # A decode step asks four times for the victims' slots (they are copied, emptied, then the next
+        # token is written there and admitted), a merge in between for its targets': each is computed once.
+        for known, rows in self._rows:
+            if known is slots:
+                return rows
+        rows = (slots + self._offsets).flatten()
+        self._rows = [(slots, rows), *self._rows[:1]]
+        return rows
 
     def fresh_slots(self, q: int) -> torch.Tensor:
         """(B, G, q): the slots of the tokens the last pass added."""
