@@ -1,6 +1,7 @@
 """The engine on tiny random-weight models of every supported architecture."""
 
 import copy
+import torch.utils._python_dispatch
 
 import pytest
 import torch
@@ -311,3 +312,35 @@ def test_sampling_distribution_is_transformers_temperature_top_k_then_top_p(top_
     ours = Sampling(temperature=0.7, top_p=top_p, top_k=top_k).probabilities(logits)
     assert int((ours > 0).sum()) == int((expected > 0).sum()) < 500
     torch.testing.assert_close(ours, expected, atol=1e-6, rtol=1e-5)
+
+
+class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the operations that read a tensor's value on the host (``bool(t)``, ``int(t)``, ``t.item()``):
+    on a GPU each one waits for every queued kernel."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.__name__.split(".")[0] in ("is_nonzero", "item", "_local_scalar_dense")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("method", ["h2o", "d2o"])
+def test_a_decode_step_reads_the_device_a_fixed_number_of_times_whatever_the_layers(method):
+    """The attention of each layer asked whether its slots were all full (or its queries all real):
+    one wait per layer per step on a GPU. A padded batch, so that both questions arise."""
+    counts = []
+    for layers in (2, 6):
+        model = tiny_model(num_hidden_layers=layers)
+        ids, mask = left_pad([random_ids(40, seed=2)[0], random_ids(30, seed=3)[0]])
+        cache = make_cache(model, method, "0.5")
+        with torch.inference_mode():
+            out = model(ids, attention_mask=mask, cache=cache)
+            for _ in range(2):
+                mask = torch.cat([mask, mask.new_ones(2, 1)], dim=1)
+                with _HostReads() as reads:
+                    out = model(out.logits[:, -1:].argmax(-1), attention_mask=mask, cache=cache)
+        counts.append(reads.count)
+    assert counts[0] == counts[1]

@@ -67,15 +67,16 @@ def _make_attention(backend: str):
             module = _Grouping(module, query.shape[1] // key.shape[1])
         window_mask = None if window is None else _sliding_window(window, positions, query_positions)
         scaling = module.scaling if scaling is None else scaling
-        every_slot = window_mask is None and bool(kv_valid.all())
         request = None
         if layer is not None and layer.observing:
             request = layer.cache.policy.stats_request(layer, n_query)
         if request is not None and n_query == 1 and window_mask is None:
-            output, stats = _one_query_attention(query, key, value, None if every_slot else kv_valid, new_valid,
-                                                 scaling, request, log_weight)
+            # Empty slots are masked whether there are any or not: asking would make the host wait for
+            # the device in every layer of every decode step.
+            output, stats = _one_query_attention(query, key, value, kv_valid, new_valid, scaling, request, log_weight)
             _observe(layer, request, stats)
             return output, None
+        every_slot = window_mask is None and bool(kv_valid.all())
 
         if request is not None and request.column_mass and n_query > 1 and backend == "sdpa":
             # Every row's probabilities are needed anyway: the output comes from them too.
@@ -138,8 +139,7 @@ def _one_query_attention(query, key, value, kv_valid, new_valid, scaling, reques
     probabilities (in float32 at least), the output from them, and the statistics ``request``
     asks for, for free (for one query, its probabilities are both the column mass and the last
     window row). ``kv_valid``
-    (B, G, N) masks empty slots, None when every slot holds a token; ``log_weight`` (B, G, N) is
-    added to the slots' logits."""
+    (B, G, N) masks empty slots; ``log_weight`` (B, G, N) is added to the slots' logits."""
     batch, heads, _, dim = query.shape
     kv_heads = key.shape[1]
     dtype = query.dtype if query.dtype == torch.float64 else torch.float32
@@ -147,13 +147,12 @@ def _one_query_attention(query, key, value, kv_valid, new_valid, scaling, reques
     scores = torch.matmul(queries, as_dtype(key, dtype).transpose(-1, -2))  # (B, G, group, N)
     if log_weight is not None:
         scores += log_weight[:, :, None, :]
-    if kv_valid is not None:
-        scores.masked_fill_(~kv_valid[:, :, None, :], torch.finfo(dtype).min)
+    scores.masked_fill_(~kv_valid[:, :, None, :], torch.finfo(dtype).min)
     probs = torch.softmax(scores, dim=-1)
     output = as_dtype(torch.matmul(probs, as_dtype(value, dtype)), query.dtype)
     output = output.view(batch, 1, heads, value.shape[-1])
     probs = as_dtype(probs, torch.float32)
-    if new_valid is not None and not bool(new_valid.all()):  # a padding query observes nothing
+    if new_valid is not None:  # a padding query observes nothing (a real one's probabilities times 1 are unchanged)
         probs = probs * new_valid[:, :, None, None]
     return output, AttentionStats(1, column_mass=probs if request.column_mass else None,
                                   window=probs[:, :, :, None, :] if request.window else None)
