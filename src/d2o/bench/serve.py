@@ -2,8 +2,9 @@
 
 For each method, a server (the engine and app of ``d2o serve``, in this process) and ``clients``
 concurrent streaming clients that send ``requests`` long prompts in all, back to back; each
-prompt is a different stretch of the essays (``row_prompts``: as many requests as wanted). Reports requests/s, tokens/s, latency and time to
-first token (p50/p95), how many requests ran at once, and the KV bytes held at most.
+prompt is a different stretch of the essays (``row_prompts``: as many requests as wanted). Reports
+requests/s, tokens/s, latency and time to first token (p50/p95), how many requests ran at once,
+and the KV bytes held at most.
 """
 
 from __future__ import annotations

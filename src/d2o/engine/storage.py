@@ -147,7 +147,7 @@ class CompressedLayer(CacheLayerMixin):
         self.owns_storage = True
         self._offsets: torch.Tensor | None = None  # (B, G, 1): where each row and head starts in a flat view
         self._offsets_width = 0  # the slots per row and head those offsets were made for
-        self._rows: list[tuple[torch.Tensor, torch.Tensor]] = []  # the last two slots given to `rows_of`, and its answers
+        self._rows: list[tuple[torch.Tensor, torch.Tensor]] = []  # the last two slots `rows_of` had, its answers
 
     # -- transformers' layer interface --------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
