@@ -14,6 +14,7 @@ from typing import Optional
 
 import typer
 
+from d2o.bench import check_fit_generate
 from d2o.budget import Budget
 from d2o.errors import D2OError
 from d2o.options import option_texts, parse_bytes, parse_options, split_list
@@ -304,9 +305,7 @@ def bench_fit(
 
     cap, names, parsed = parse_bytes(kv_memory), split_list(methods), Budget.parse(budget)
     at_least_one(prompt=prompt)
-    if generate < 2:
-        raise D2OError(f"generate must be at least 2, got {generate}: the first token comes from the prefill, and "
-                       f"decoding is timed from the second")
+    check_fit_generate(generate)
     check_device(device)
     check_out(out)
 

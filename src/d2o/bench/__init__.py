@@ -1,1 +1,13 @@
 """Benchmarks: speed and memory, measured side by side in one run (ratios, not absolute claims)."""
+
+from __future__ import annotations
+
+from d2o.errors import D2OError
+
+
+def check_fit_generate(generate: int) -> None:
+    """``bench fit`` times decoding from the second generated token, so it needs two. Here, where
+    torch is not imported, so that the command refuses before loading it."""
+    if generate < 2:
+        raise D2OError(f"generate must be at least 2, got {generate}: the first token comes from the prefill, and "
+                       f"decoding is timed from the second")

@@ -21,6 +21,7 @@ from time import perf_counter
 import torch
 from transformers import DynamicCache
 
+from d2o.bench import check_fit_generate
 from d2o.bench.models import row_prompts, stock_attention
 from d2o.budget import Budget
 from d2o.engine.cache import CompressedCache
@@ -123,9 +124,7 @@ def bench_fit(model, tokenizer, cap: int, prompt: int, generate: int, methods: l
     """Per method: the largest batch under ``cap``, its measured tokens/s and peak KV bytes, and
     the ratios to the full cache."""
     check_length(model, prompt, generate)
-    if generate < 2:
-        raise D2OError(f"generate must be at least 2, got {generate}: the first token comes from the prefill, and "
-                       f"decoding is timed from the second")
+    check_fit_generate(generate)
     prompt_of = row_prompts(tokenizer, model.config.get_text_config().vocab_size, prompt)
     rows = []
     for name in methods:
