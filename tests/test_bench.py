@@ -150,16 +150,25 @@ def test_the_attention_matrix_is_sized_in_the_models_dtype():
     assert row["attention_matrix_mib"] == 4 * 512**2 * 2 / 2**20  # 4 heads, 2 bytes each
 
 
+class TenTokenEssays:
+    """A tokenizer to which the essays are 10 tokens, 0 to 9; it counts its calls."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, text, add_special_tokens):
+        self.calls += 1
+        return SimpleNamespace(input_ids=list(range(10)))
+
+    def decode(self, ids):
+        return " ".join(map(str, ids))
+
+
 def test_fit_prompts_come_from_one_tokenization_and_differ_past_the_end_of_the_essays():
-    calls = []
-
-    def tokenizer(text, add_special_tokens):
-        calls.append(text)
-        return SimpleNamespace(input_ids=list(range(10)))  # essays of 10 tokens
-
+    tokenizer = TenTokenEssays()
     prompt_of = row_prompts(tokenizer, 256, 4)
     prompts = [prompt_of(row) for row in range(8)]
-    assert len(calls) == 1
+    assert tokenizer.calls == 1
     assert prompts[:2] == [[0, 1, 2, 3], [4, 5, 6, 7]]  # the essays in order
     assert prompts[2:4] == [[1, 2, 3, 4], [5, 6, 7, 8]]  # the next pass a token later
     assert prompts[7] == [7, 8, 9, 0]  # around the end
@@ -167,14 +176,7 @@ def test_fit_prompts_come_from_one_tokenization_and_differ_past_the_end_of_the_e
 
 
 def test_serve_prompts_differ_for_more_requests_than_the_essays_hold():
-    def tokenize(text, add_special_tokens):
-        return SimpleNamespace(input_ids=list(range(10)))  # essays of 10 tokens
-
-    class Tokenizer:
-        __call__ = staticmethod(tokenize)
-        decode = staticmethod(lambda ids: " ".join(map(str, ids)))
-
-    prompts = serve_prompts(Tokenizer(), 8, 4)  # 8 x 4 tokens from essays of 10 (a stride of 97 ran out)
+    prompts = serve_prompts(TenTokenEssays(), 8, 4)  # 8 x 4 tokens from essays of 10 (a stride of 97 ran out)
     assert prompts[:3] == ["0 1 2 3", "4 5 6 7", "1 2 3 4"]
     assert len(set(prompts)) == 8 and all(len(p.split()) == 4 for p in prompts)
 

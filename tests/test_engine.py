@@ -1,10 +1,10 @@
 """The engine on tiny random-weight models of every supported architecture."""
 
 import copy
-import torch.utils._python_dispatch
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DynamicCache, LlamaConfig, LlamaModel
 
 import d2o
@@ -314,7 +314,7 @@ def test_sampling_distribution_is_transformers_temperature_top_k_then_top_p(top_
     torch.testing.assert_close(ours, expected, atol=1e-6, rtol=1e-5)
 
 
-class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
+class _HostReads(TorchDispatchMode):
     """Counts the operations that read a tensor's value on the host (``bool(t)``, ``int(t)``, ``t.item()``):
     on a GPU each one waits for every queued kernel."""
 
