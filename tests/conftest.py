@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from transformers import (
@@ -89,6 +91,19 @@ def greedy(model, ids, cache=None, steps: int = 10, mask=None) -> torch.Tensor:
                              cache=cache, max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
                              pad_token_id=0)
     return out[:, ids.shape[1]:]
+
+
+def assert_fed_at_once_as_one_by_one(model, cache, ids: torch.Tensor) -> None:
+    """``ids`` fed to (copies of) ``cache`` in one forward and token by token, each copy held at
+    its length while fed (no eviction between the tokens): the logits must agree."""
+    at_once, one_by_one = copy.deepcopy(cache), copy.deepcopy(cache)
+    with torch.inference_mode():
+        with at_once.hold():
+            joint = model(input_ids=ids, cache=at_once).logits
+        with one_by_one.hold():
+            steps = torch.cat([model(input_ids=ids[:, i:i + 1], cache=one_by_one).logits
+                               for i in range(ids.shape[1])], dim=1)
+    torch.testing.assert_close(joint, steps, atol=1e-9, rtol=0)
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,5 @@
 """The engine on tiny random-weight models of every supported architecture."""
 
-import copy
-
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -11,7 +9,8 @@ import d2o
 from d2o import Budget
 from d2o.budget import UNLIMITED
 
-from conftest import DENSE, SHAPE, greedy, kept_tokens, left_pad, make_cache, random_ids, tiny_model
+from conftest import (DENSE, SHAPE, assert_fed_at_once_as_one_by_one, greedy, kept_tokens, left_pad, make_cache,
+                      random_ids, tiny_model)
 
 ARCHS = DENSE
 
@@ -136,12 +135,7 @@ def test_a_multi_token_input_after_compression_sees_the_right_tokens():
     forward(model, random_ids(200), cache)
     assert len(set(lengths(cache))) > 1  # layers of different lengths
     question = random_ids(9, seed=5)
-    at_once, one_by_one = copy.deepcopy(cache), copy.deepcopy(cache)
-    with at_once.hold():
-        joint = forward(model, question, at_once)
-    with one_by_one.hold():
-        steps = torch.cat([forward(model, question[:, i:i + 1], one_by_one) for i in range(9)], dim=1)
-    torch.testing.assert_close(joint, steps, atol=1e-9, rtol=0)
+    assert_fed_at_once_as_one_by_one(model, cache, question)
     # Without holding, the cache is brought back to its budgets after the multi-token input.
     forward(model, question, cache)
     assert lengths(cache) == [int(layer.budget) for layer in cache.layers]

@@ -8,7 +8,7 @@ from transformers import DynamicCache
 from d2o import Budget
 from d2o.methods import REGISTRY
 
-from conftest import greedy, kept_tokens, left_pad, make_cache, random_ids, tiny_model
+from conftest import assert_fed_at_once_as_one_by_one, greedy, kept_tokens, left_pad, make_cache, random_ids, tiny_model
 
 WINDOW, SLIDING, GLOBAL = 16, [0, 2], [1, 3]
 METHODS = [name for name in REGISTRY if name != "d2o-official"]  # the parity preset is for dense Llamas
@@ -72,14 +72,7 @@ def test_a_question_after_compression_sees_the_right_tokens_in_both_kinds_of_lay
     cache = make_cache(model, "d2o", 0.2)
     forward(model, random_ids(120), cache)
     question = random_ids(9, seed=5)
-    import copy
-
-    at_once, one_by_one = copy.deepcopy(cache), copy.deepcopy(cache)
-    with at_once.hold():
-        joint = forward(model, question, at_once)
-    with one_by_one.hold():
-        steps = torch.cat([forward(model, question[:, i:i + 1], one_by_one) for i in range(9)], dim=1)
-    torch.testing.assert_close(joint, steps, atol=1e-9, rtol=0)
+    assert_fed_at_once_as_one_by_one(model, cache, question)
     forward(model, question, cache)
     assert stored(cache)[0] == stored(cache)[2] == WINDOW - 1
     assert [int(cache.layers[i].n_kept) for i in GLOBAL] == [int(cache.layers[i].budget) for i in GLOBAL]
