@@ -308,6 +308,39 @@ def test_sampling_distribution_is_transformers_temperature_top_k_then_top_p(top_
     torch.testing.assert_close(ours, expected, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("temperature", [1e-300, 1e-45, 1e-30])
+def test_a_temperature_too_small_for_float32_samples_the_likeliest_token(temperature):
+    """Dividing by a temperature that is 0 (or tiny) in float32 made inf - inf = NaN, and
+    multinomial failed every row of a server's batch."""
+    from d2o.runtime.decoding import Sampling
+
+    logits = torch.randn(500, generator=torch.Generator().manual_seed(3)) * 3
+    probs = Sampling(temperature=temperature).probabilities(logits)
+    assert probs.isfinite().all() and probs[logits.argmax()] == 1.0 and probs.sum() == 1.0
+
+
+class _Letters:
+    """A tokenizer whose token i is the i-th character of ``text``."""
+
+    def __init__(self, text):
+        self.text = text
+
+    def decode(self, tokens, skip_special_tokens=True):
+        return "".join(self.text[t] for t in tokens)
+
+
+@pytest.mark.parametrize("after_space, expected", [(True, "\nOnce"), (False, "")])
+def test_a_stop_string_at_the_start_ends_the_answer_unless_told_to_wait_for_it(after_space, expected):
+    from d2o.runtime.decoding import Sequence
+
+    words = "\nOnce\nupon"
+    sequence = Sequence(_Letters(words), 20, stop_strings=("\n",), stop_after_space=after_space)
+    for token in range(len(words)):
+        if sequence.push(token):
+            break
+    assert sequence.finish_reason == "stop" and sequence.text == expected
+
+
 class _HostReads(TorchDispatchMode):
     """Counts the operations that read a tensor's value on the host (``bool(t)``, ``int(t)``, ``t.item()``):
     on a GPU each one waits for every queued kernel."""

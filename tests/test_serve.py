@@ -32,6 +32,7 @@ from d2o.options import parse_bytes
 from d2o.serve.config import ServeConfig
 from d2o.serve.engine import Engine
 from d2o.serve.jobs import stable_text
+from d2o.serve.protocol import APIError, CompletionRequest
 
 pytestmark = pytest.mark.real_model
 QUESTION = "What is the capital of France?"
@@ -169,6 +170,10 @@ BAD = [
     ("more than the whole KV memory", {**CHAT, "messages": [{"role": "user", "content": "word " * 2000}],
                                        "kv_method": "full"}, 400, None, "kv_memory_exceeded"),
     ("an unknown model", {**CHAT, "model": "gpt-9"}, 404, "model", "model_not_found"),
+    ("a budget of a Unicode digit", {**CHAT, "kv_budget": "\u00b2t"}, 400, "kv_budget", None),
+    ("a budget beyond any model", {**CHAT, "kv_budget": "99999999999999999999t"}, 400, "kv_budget", None),
+    ("logprobs", {**CHAT, "logprobs": True}, 400, "logprobs", None),
+    ("echo", {**CHAT, "echo": True}, 400, "echo", None),
 ]
 
 
@@ -187,6 +192,31 @@ def test_a_bad_request_gets_an_openai_error_and_the_server_keeps_serving(server,
             client(url).chat.completions.create(**known, extra_body={k: body[k] for k in set(body) - set(known)})
         assert raised.value.status_code == status and raised.value.body == error
     assert client(url).chat.completions.create(**CHAT, temperature=0).choices[0].finish_reason
+
+
+def test_null_sampling_fields_are_their_defaults(server):
+    url, _ = server
+    body = {**CHAT, "temperature": None, "top_p": None, "top_k": None, "n": None, "stream": None, "seed": None,
+            "stream_options": {"include_usage": None}}
+    reply = httpx.post(url + "/v1/chat/completions", json=body)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_a_default_max_tokens_takes_what_the_model_positions_leave(real_model):
+    model, tokenizer = real_model
+    limit = model.config.max_position_embeddings
+    engine = Engine(model, tokenizer, ServeConfig(max_tokens=256, kv_memory=parse_bytes("4GB")))
+    try:
+        prompt = essay(tokenizer, limit - 100)
+        job = engine.prepare(CompletionRequest(prompt=prompt), prompt, False, None, None)
+        assert job.sequence.max_new_tokens == limit - len(job.ids) < 256
+        short = engine.prepare(CompletionRequest(prompt="Hello"), "Hello", False, None, None)
+        assert short.sequence.max_new_tokens == 256
+        with pytest.raises(APIError, match="prompt too long for the model"):  # asked for: refused, as before
+            engine.prepare(CompletionRequest(prompt=prompt, max_tokens=256), prompt, False, 256, None)
+    finally:
+        engine.close()
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_rows_and_memory(server):
@@ -224,6 +254,32 @@ def test_a_row_that_has_not_merged_yet_runs_beside_rows_that_have(server, real_m
         second = ask(short, 6)
     assert first.result().choices[0].text == generate(model, tokenizer, long, max_new_tokens=40).texts[0]
     assert second.choices[0].text == generate(model, tokenizer, short, max_new_tokens=6).texts[0]
+
+
+@pytest.mark.parametrize("method, first_budget, second_budget, lengths", [
+    ("d2o", 0.2, 0.2000001, (300, 200)),  # two budgets printed alike ("0.2"): other caches, never one batch
+    ("d2o-official", 0.2, 0.2, (60, 20)),  # it allocates at its first decode step: a row just prefilled
+])                                          # cannot join a lane that has stepped
+def test_a_request_that_cannot_join_a_running_batch_runs_beside_it(server, real_model, method, first_budget,
+                                                                   second_budget, lengths):
+    """Either pair made the join fail, and the engine failed every request in flight with a 500."""
+    url, _ = server
+    model, tokenizer = real_model
+    long, short = essay(tokenizer, lengths[0]), essay(tokenizer, lengths[1], skip=lengths[0])
+
+    def ask(prompt, tokens, budget):
+        return client(url).completions.create(model="smollm2", prompt=prompt, max_tokens=tokens, temperature=0,
+                                              extra_body={"kv_method": method, "kv_budget": budget})
+
+    running = f'd2o_requests_running{{budget="0.2",method="{method}"}}'
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(ask, long, 40, first_budget)
+        wait_for(url, lambda m: m.get(running, 0) == 1)
+        second = ask(short, 6, second_budget)
+    assert first.result().choices[0].text == generate(model, tokenizer, long, method, first_budget,
+                                                      max_new_tokens=40).texts[0]
+    assert second.choices[0].text == generate(model, tokenizer, short, method, second_budget,
+                                              max_new_tokens=6).texts[0]
 
 
 def test_a_failure_inside_the_engine_is_a_500_and_the_server_keeps_serving(server, monkeypatch):
@@ -335,6 +391,30 @@ def test_a_full_queue_answers_503_with_retry_after(real_model):
     assert metrics['d2o_requests_total{budget="1",method="full",outcome="rejected"}'] == 1
     assert metrics['d2o_requests_total{budget="1",method="full",outcome="cancelled"}'] == 2
     assert metrics["d2o_kv_bytes"] == 0
+
+
+def test_a_client_that_gives_up_while_waiting_leaves_its_place_in_the_queue(real_model):
+    """One request runs, one waits, a third waits behind it and gives up: its place is free at once
+    (it was freed only when it reached the head of the queue: a fourth got 503 meanwhile)."""
+    model, tokenizer = real_model
+    one = plan(model.config, get_method("full"), Budget.parse(1.0), 20, 2000).peak_bytes
+    request = {"model": "smollm2", "prompt": essay(tokenizer, 20), "max_tokens": 8, "temperature": 0,
+               "kv_method": "full"}
+    with serving(model, tokenizer, kv_memory=one, max_queue=2) as (url, _):
+        with ThreadPoolExecutor(2) as pool:  # the first runs until its client leaves, 12 s on
+            first = pool.submit(httpx.post, url + "/v1/completions", json={**request, "max_tokens": 2000}, timeout=12)
+            wait_for(url, lambda m: m.get('d2o_requests_running{budget="1",method="full"}', 0) == 1)
+            second = pool.submit(httpx.post, url + "/v1/completions", json=request, timeout=300)
+            wait_for(url, lambda m: m["d2o_requests_waiting"] == 1)
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(url + "/v1/completions", json=request, timeout=1)
+            metrics = wait_for(url, lambda m: m["d2o_requests_waiting"] == 1, seconds=5)
+            assert metrics['d2o_requests_running{budget="1",method="full"}'] == 1  # the first still runs
+            later = httpx.post(url + "/v1/completions", json=request, timeout=300)
+            assert second.result().status_code == 200
+            with pytest.raises(httpx.ReadTimeout):
+                first.result()
+    assert later.status_code == 200, later.text  # before: 503, a place of the queue held by the client gone
 
 
 # -- the command line ------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ UNLIMITED = -1  # a layer budget that never evicts (an exempt layer, or a budget
 # No layer of a ratio budget is brought below min(tokens seen, MIN_TOKENS): short prompts keep
 # their answers. Chosen by measurement (docs/results/README.md, "The floor").
 MIN_TOKENS = 128
+MOST_TOKENS = 2**40  # above any model's positions; a larger count would overflow the totals' int64 arithmetic
 
 
 @dataclass(frozen=True)
@@ -33,10 +34,10 @@ class Budget:
             raise D2OError("a budget is either a ratio (0.2) or a token count (128t), not both or neither")
         if self.ratio is not None and not 0.0 < self.ratio <= 1.0:
             raise D2OError(f"budget ratio must be in (0, 1], got {self.ratio:g}")
-        if self.tokens is not None and self.tokens < 1:
-            raise D2OError(f"budget must be at least 1 token per layer, got {self.tokens}")
-        if not whole(self.min_tokens) or self.min_tokens < 0:
-            raise D2OError(f"min_tokens must be a whole number >= 0, got {self.min_tokens!r}")
+        if self.tokens is not None and (not whole(self.tokens) or not 1 <= self.tokens <= MOST_TOKENS):
+            raise D2OError(f"budget must be a whole number of tokens per layer from 1 to 2**40, got {self.tokens!r}")
+        if not whole(self.min_tokens) or not 0 <= self.min_tokens <= MOST_TOKENS:
+            raise D2OError(f"min_tokens must be a whole number from 0 to 2**40, got {self.min_tokens!r}")
 
     @classmethod
     def parse(cls, value: Budget | str | float | int, min_tokens: int | None = None) -> Budget:
@@ -54,7 +55,7 @@ class Budget:
         for suffix in ("tokens", "tok", "t"):
             if text.endswith(suffix):
                 number = text[: -len(suffix)].strip()
-                if not number.isdigit():
+                if not (number.isascii() and number.isdigit()):  # not '²', which int() refuses
                     raise D2OError(f"budget {value!r}: a token budget is a whole number followed by 't', e.g. 128t")
                 return cls(tokens=int(number))
         try:

@@ -159,14 +159,21 @@ class CompressedCache(Cache):
         if self._last_hidden is not None:
             self._last_hidden = self._last_hidden[torch.as_tensor(index, device=self._last_hidden.device)]
 
+    def why_not_joined(self, other: CompressedCache) -> str | None:
+        """Why ``other``'s rows cannot join this cache's now (None: they can)."""
+        if other.policy != self.policy or other.budget != self.budget or other.kv_repeats != self.kv_repeats:
+            return "only caches of the same method and budget can share a batch"
+        if other.allocated != self.allocated or other._holds or self._holds:
+            return "caches join a batch once both are compressing (after their prefill), never while held"
+        return None
+
     def join(self, others: list[CompressedCache]) -> None:
         """Append the rows of ``others`` (caches of the same policy and budget, at the same stage of
         compression) to this cache's: new requests join a running batch."""
         for other in others:
-            if other.policy != self.policy or other.budget != self.budget or other.kv_repeats != self.kv_repeats:
-                raise D2OError("only caches of the same method and budget can share a batch")
-            if other.allocated != self.allocated or other._holds or self._holds:
-                raise D2OError("caches join a batch once both are compressing (after their prefill), never while held")
+            why = self.why_not_joined(other)
+            if why is not None:
+                raise D2OError(why)
         for mine, *theirs in zip(self.layers, *(other.layers for other in others)):
             mine.join(theirs)
             mine.observing = any(layer.observing for layer in (mine, *theirs))

@@ -47,7 +47,11 @@ class Sampling:
 
     def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
         """The distribution (vocab,) a sampled token is drawn from, given next-token ``logits``."""
-        probs = torch.softmax(logits.float() / self.temperature, dim=-1).cpu()
+        # Shifted by the maximum, the likeliest token's logit is 0 at any temperature: one too small
+        # for float32 (1e-300 is 0 there) makes the others -inf, never NaN (greedy in the limit).
+        logits = logits.float()
+        shifted = (logits - logits.max()) / max(self.temperature, torch.finfo(torch.float32).tiny)
+        probs = torch.softmax(shifted, dim=-1).cpu()
         if 0 < self.top_k < probs.shape[-1]:  # ties with the k-th stay, as in transformers
             probs = probs.masked_fill(probs < probs.topk(self.top_k).values[-1], 0.0)
             probs /= probs.sum()
@@ -62,12 +66,15 @@ class Sampling:
 class Sequence:
     """One row: its tokens so far and the rules that pick and stop them.
 
-    Stop strings end the answer once it has begun (leading white space is not an answer) and are
-    not part of its ``text``; a stop token ends it and is not part of its ``tokens``.
+    Stop strings are not part of its ``text``; a stop token ends it and is not part of its
+    ``tokens``. With ``stop_after_space`` (the evaluation's tasks, whose stop is a newline) a stop
+    string ends the answer only once it has begun: leading white space is not an answer. Without
+    it (the server, as the OpenAI API) a stop string anywhere ends it.
     """
 
     def __init__(self, tokenizer, max_new_tokens: int, sampling: Sampling = Sampling(),
-                 stop_ids: frozenset[int] = frozenset(), stop_strings: tuple[str, ...] = (), prompt_tokens: int = 0):
+                 stop_ids: frozenset[int] = frozenset(), stop_strings: tuple[str, ...] = (), prompt_tokens: int = 0,
+                 stop_after_space: bool = True):
         if max_new_tokens < 1:
             raise D2OError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         self.tokenizer = tokenizer
@@ -76,6 +83,7 @@ class Sequence:
         self.stop_ids = stop_ids
         self.stop_strings = tuple(s for s in stop_strings if s)
         self.prompt_tokens = prompt_tokens
+        self.stop_after_space = stop_after_space
         self.tokens: list[int] = []
         self.finish_reason: str | None = None  # "stop" or "length" once finished
         self.prefill_seconds = 0.0
@@ -122,7 +130,7 @@ class Sequence:
 
     def _stop_at(self, raw: str | None = None) -> int | None:
         raw = self.raw_text if raw is None else raw
-        begun = len(raw) - len(raw.lstrip())
+        begun = len(raw) - len(raw.lstrip()) if self.stop_after_space else 0
         found = [i for i in (raw.find(stop, begun) for stop in self.stop_strings) if i >= 0]
         return min(found) if found else None
 

@@ -83,7 +83,10 @@ class Engine:
             ids = encode(self.tokenizer, [prompt], chat)[0]
         except D2OError as error:
             raise APIError(400, str(error), "messages" if chat else "prompt") from None
-        max_tokens = max_tokens or self.config.max_tokens
+        if max_tokens is None:  # the default never makes a prompt that fits too long: it takes what is left
+            limit = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
+            max_tokens = self.config.max_tokens if limit is None else max(1, min(self.config.max_tokens,
+                                                                                 limit - len(ids)))
         try:
             check_length(self.model, len(ids), max_tokens)
         except D2OError as error:
@@ -95,7 +98,8 @@ class Engine:
                            f"whole --kv-memory of {self.cap:,}; use a smaller kv_budget, prompt or max_tokens",
                            None, "kv_memory_exceeded")
         sampling = Sampling(request.temperature, request.top_p, request.seed, max(request.top_k, 0))
-        sequence = Sequence(self.tokenizer, max_tokens, sampling, self.stops, tuple(request.stop or ()))
+        sequence = Sequence(self.tokenizer, max_tokens, sampling, self.stops, tuple(request.stop or ()),
+                            stop_after_space=False)  # OpenAI: a stop string anywhere ends the answer
         return Job(ids, sequence, method, budget, kv_plan, request.stream, loop)
 
     def _resolve(self, request: Generation):
@@ -115,6 +119,7 @@ class Engine:
         with self._lock:
             if self._closing:
                 raise APIError(503, "the server is shutting down", None, "shutting_down", "server_error")
+            self._promote()  # clients that gave up while waiting leave their places
             if not self._waiting and self._reserved([*self._admitted, job]) <= self.cap:
                 self._admit(job)
             elif len(self._waiting) < self.config.max_queue:
@@ -151,16 +156,13 @@ class Engine:
         self.stats.admitted(job.key, len(job.ids), job.sequence.max_new_tokens)
 
     def _promote(self) -> None:
-        """Admit waiting requests, first come first served, while they fit; drop cancelled ones."""
-        while self._waiting:
-            head = self._waiting[0]
-            if head.cancelled:
-                self._waiting.popleft()
-                self.stats.requests[(*head.key, "cancelled")] += 1
-            elif self._reserved([*self._admitted, head]) <= self.cap:
-                self._admit(self._waiting.popleft())
-            else:
-                break
+        """Drop the cancelled waiting requests (wherever they wait: each holds a place in the
+        queue), then admit the others, first come first served, while they fit."""
+        for gone in [job for job in self._waiting if job.cancelled]:
+            self._waiting.remove(gone)
+            self.stats.requests[(*gone.key, "cancelled")] += 1
+        while self._waiting and self._reserved([*self._admitted, self._waiting[0]]) <= self.cap:
+            self._admit(self._waiting.popleft())
 
     # -- the engine's thread ------------------------------------------------------------------------
     def _run(self) -> None:
@@ -199,7 +201,7 @@ class Engine:
         with self._lock:  # the job stays admitted until it is placed (a failure below fails it too)
             base = self._reserved([other for other in self._admitted if other is not job])
             options = [(lane.bound(batch, job) - self._bounds[id(lane)], lane)
-                       for lane in self._lanes if lane.key == job.key]
+                       for lane in self._lanes if lane.accepts(batch)]
             options = [(grown, lane) for grown, lane in options if base + grown <= self.cap]
             if options:
                 lane = min(options, key=lambda option: option[0])[1]

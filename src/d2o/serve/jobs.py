@@ -82,6 +82,12 @@ class Lane:
             peaks.append(job.peaks)
         return padded_bytes(widths, torch.stack(peaks), self.per_slot) if peaks else 0
 
+    def accepts(self, batch: Batch) -> bool:
+        """Whether ``batch``'s row may join this lane now: the same method and budget (equal, not
+        merely printed alike) and the same stage of compression (``d2o-official`` compresses at
+        its first decode step, so a row just prefilled cannot join a lane that has stepped)."""
+        return self.batch.cache.why_not_joined(batch.cache) is None
+
     def join(self, batch: Batch, job: Job) -> None:
         self.batch.join(batch)
         self.jobs[id(job.sequence)] = job

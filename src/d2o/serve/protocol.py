@@ -10,7 +10,7 @@ import time
 import uuid
 from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr, field_validator, model_validator
 
 
 class APIError(Exception):
@@ -26,8 +26,11 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
+NULL_IS_DEFAULT = ("temperature", "top_p", "top_k", "n", "stream")
+
+
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: Optional[bool] = False
 
 
 class Generation(BaseModel):
@@ -47,6 +50,24 @@ class Generation(BaseModel):
     stream_options: Optional[StreamOptions] = None
     kv_method: Optional[str] = None
     kv_budget: Union[StrictInt, StrictFloat, StrictStr, None] = None  # strict: true is not a budget of 1
+    logprobs: Union[bool, int, None] = None
+    top_logprobs: Optional[int] = None
+    echo: Optional[bool] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, body):
+        """OpenAI takes null for these (clients send it for "not set"): the default, then."""
+        if isinstance(body, dict):
+            body = {k: v for k, v in body.items() if not (v is None and k in NULL_IS_DEFAULT)}
+        return body
+
+    @field_validator("logprobs", "top_logprobs", "echo")
+    @classmethod
+    def _not_supported(cls, value, info):
+        if value not in (None, False, 0):  # refused rather than ignored: a client would read null
+            raise ValueError(f"{info.field_name} is not supported by this server")
+        return value
 
     @field_validator("n")
     @classmethod
