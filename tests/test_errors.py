@@ -36,6 +36,9 @@ LONG_ENOUGH = "The quick brown fox jumps over the lazy dog near the river bank t
     (["--method", "nope"], "unknown method 'nope'; choose one of:"),
     (["--option", "alpha"], "--option 'alpha': expected NAME=VALUE"),
     (["--option", "split=0:0"], "split=(0, 0) must be two non-negative parts"),
+    (["--option", "allocation=none"], "allocation=None must be an allocation"),
+    (["--temperature", "0.7", "--seed", "3"], "--temperature, --seed apply with --sample only"),
+    (["--sample", "--temperature", "0"], "--sample with --temperature 0 is greedy decoding"),
 ])
 def test_bad_generate_options(monkeypatch, capsys, real_model, args, message):
     code, out, err = run_cli(monkeypatch, capsys, "generate", "--prompt", LONG_ENOUGH, "--max-new-tokens", "2", *args)
@@ -174,6 +177,8 @@ def test_a_model_folder_whose_weights_are_cut_or_fit_another_config(monkeypatch,
      "results folder 'pyproject.toml' is a file"),
     (["bench", "throughput", "--decode", "decode.json", "--generate", "0"], "generate must be at least 1, got 0"),
     (["bench", "serve", "--out", "tests"], "results file 'tests' is a folder"),
+    (["bench", "decode", "--out", "/proc/d2o-results"], "cannot create the results folder '/proc/d2o-results'"),
+    (["bench", "serve", "--out", "/proc/d2o/serve.json"], "cannot create the results file '/proc/d2o/serve.json'"),
 ])
 def test_bad_input_fails_before_torch_loads(args, message):
     """Checked at the front door: one line, exit code 2, and neither torch nor a model was loaded."""
@@ -184,6 +189,17 @@ def test_bad_input_fails_before_torch_loads(args, message):
     done = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, timeout=60)
     assert done.stdout.split() == ["2", "False", "False"]
     assert done.stderr.count("\n") == 1 and message in done.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--prompt-tokens", "9000"], "prompt too long for the model: 9000 tokens + 64 new"),
+    (["--kv-memory", "1MB", "--methods", "d2o"], "--kv-memory 1MB holds not one 1000 + 64-token request under d2o"),
+])
+def test_bench_serve_refuses_a_run_no_request_of_which_could_be_answered(monkeypatch, capsys, real_model, args,
+                                                                         message):
+    """It served every request a 400 and printed a table of NaN, exit code 0."""
+    code, _, err = run_cli(monkeypatch, capsys, "bench", "serve", *args)
+    assert code == 2 and message in err and err.count("\n") == 1, err
 
 
 def test_an_eval_that_fails_its_checks_leaves_its_folder_free(monkeypatch, capsys, tmp_path, real_model):

@@ -341,6 +341,13 @@ def test_cam_merges_by_the_current_querys_look_into_the_next_span(look, merged):
     ("h2o", {"n_sinks": 1.5}, 0.3, "n_sinks=1.5 must be a whole number"),
     ("h2o", {"n_sinks": True}, 0.3, "n_sinks=True must be a whole number"),
     ("h2o", {"split": (1.5, 1)}, 0.3, "split=\\(1.5, 1\\) must be two non-negative parts"),
+    # Components of the wrong type (an option's "none" or a number) failed deep in the engine:
+    ("h2o", {"split": None}, 0.3, "split=None must be two parts"),
+    ("d2o", {"allocation": None}, 0.3, "allocation=None must be an allocation"),
+    ("d2o", {"scoring": 3}, 0.3, "scoring=3 must be a scoring"),
+    ("d2o", {"merge": 5}, 0.3, "merge=5 must be a merge"),
+    ("d2o", {"exempt_layers": ("a",)}, 0.3, "exempt_layers=\\('a',\\) must be layer indices"),
+    ("d2o-official", {"exempt_layers": (99,)}, 0.3, "exempt_layers=99 is not a layer of a 4-layer model"),
 ])
 def test_out_of_range_method_options_name_the_parameter(name, options, budget, parameter):
     model = tiny_model("llama")
@@ -349,3 +356,4 @@ def test_out_of_range_method_options_name_the_parameter(name, options, budget, p
         cache = make_cache(model, method, budget)
         with torch.inference_mode():
             model(input_ids=random_ids(150), cache=cache)
+            model(input_ids=random_ids(1), cache=cache)  # d2o-official allocates at its first decode step

@@ -441,6 +441,7 @@ def test_memory_sizes():
     (["--max-queue", "-1"], "max_queue must be >= 0"),
     (["--port", "99999"], "port 99999 must be in 1..65535"),
     (["--port", "0"], "port 0 must be in 1..65535"),
+    (["--host", ""], "--host is empty"),
 ])
 def test_bad_serve_options_are_one_line_and_exit_code_2(monkeypatch, capsys, args, message):
     monkeypatch.setattr("sys.argv", ["d2o", "serve", *args])

@@ -38,9 +38,9 @@ def generate(
     max_new_tokens: int = typer.Option(64, help="Tokens to generate."),
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template."),
     sample: bool = typer.Option(False, "--sample", help="Sample instead of greedy decoding."),
-    temperature: float = typer.Option(1.0, help="With --sample: the softmax temperature."),
-    top_p: float = typer.Option(1.0, help="With --sample: the nucleus."),
-    top_k: int = typer.Option(0, help="With --sample: draw among the k likeliest tokens (0: all)."),
+    temperature: Optional[float] = typer.Option(None, help="With --sample: the softmax temperature [default: 1.0]."),
+    top_p: Optional[float] = typer.Option(None, help="With --sample: the nucleus [default: 1.0]."),
+    top_k: Optional[int] = typer.Option(None, help="With --sample: draw among the k likeliest [default: 0, all]."),
     seed: Optional[int] = typer.Option(None, help="With --sample: the seed of the draws."),
     attention: str = typer.Option("sdpa", help="Kernel for the attention output: sdpa or eager."),
     dtype: str = typer.Option("float32", help="float32, float16 or bfloat16."),
@@ -57,6 +57,12 @@ def generate(
     parsed_budget, options = Budget.parse(budget, min_tokens), parse_options(option)
     if max_new_tokens < 1:
         raise D2OError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    given = [name for name, value in (("--temperature", temperature), ("--top-p", top_p), ("--top-k", top_k),
+                                      ("--seed", seed)) if value is not None]
+    if given and not sample:  # decoding would be greedy: the options would be silently ignored
+        raise D2OError(f"{', '.join(given)} apply with --sample only (without it decoding is greedy)")
+    if sample and temperature == 0:
+        raise D2OError("--sample with --temperature 0 is greedy decoding: drop --sample, or give a temperature > 0")
 
     from d2o.runtime.generation import generate as run
     from d2o.runtime.generation import resolve
@@ -64,7 +70,8 @@ def generate(
     chosen, parsed_budget = resolve(method, parsed_budget, **options)  # before the model loads
     net, tokenizer = load(model, dtype=dtype, attention=attention)
     result = run(net, tokenizer, text, chosen, parsed_budget, max_new_tokens=max_new_tokens, chat=chat,
-                 temperature=temperature if sample else 0.0, top_p=top_p, top_k=top_k, seed=seed)
+                 temperature=(1.0 if temperature is None else temperature) if sample else 0.0,
+                 top_p=1.0 if top_p is None else top_p, top_k=top_k or 0, seed=seed)
     report = result.report
     if as_json:
         summary = report.as_dict()
@@ -119,6 +126,8 @@ def check_port(host: str, port: int) -> None:
     """Refuse a port out of range, or one another process listens on, before the model loads."""
     if not 1 <= port <= 65535:
         raise D2OError(f"port {port} must be in 1..65535")
+    if not host.strip():  # an unset shell variable, most likely: it would listen on every interface
+        raise D2OError("--host is empty: give 127.0.0.1 (this machine only) or 0.0.0.0 (every interface)")
     import socket
 
     try:
@@ -212,13 +221,18 @@ def at_least_one(**values) -> None:
 
 def check_out(out: Path, folder: bool = True) -> None:
     """Refuse a results path that cannot be written before the run, not after it: a folder that is a
-    file, a file that is a folder, or either under a file."""
+    file, a file that is a folder, either under a file, or a folder that cannot be created (it is
+    created now, as ``eval`` creates its own)."""
     what = "folder" if folder else "file"
     if out.exists() and out.is_dir() != folder:
         raise D2OError(f"results {what} {str(out)!r} is a {'file' if folder else 'folder'}")
     above = next((parent for parent in out.parents if parent.exists()), None)
     if above is not None and not above.is_dir():
         raise D2OError(f"results {what} {str(out)!r} would lie under {str(above)!r}, which is a file")
+    try:
+        (out if folder else out.parent).mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise D2OError(f"cannot create the results {what} {str(out)!r}: {error.strerror or error}") from None
 
 
 def check_device(device: str | None) -> None:
@@ -401,13 +415,21 @@ def bench_serve(
 
     from d2o.runtime.generation import resolve
 
-    for name in names:
-        resolve(name, parsed)
+    chosen = [resolve(name, parsed) for name in names]
 
     from d2o.bench.serve import bench_serve as run
     from d2o.bench.serve import markdown
+    from d2o.runtime.memory import plan
+    from d2o.runtime.prompts import check_length
 
     net, tokenizer = load(model)
+    check_length(net, prompt_tokens, max_tokens)  # else every request is refused, and the table is NaN
+    for name, (method, method_budget) in zip(names, chosen):
+        need = plan(net.config, method, method_budget, prompt_tokens, max_tokens,
+                    next(net.parameters()).element_size()).peak_bytes
+        if need > cap:
+            raise D2OError(f"--kv-memory {kv_memory} holds not one {prompt_tokens} + {max_tokens}-token request "
+                           f"under {name} (it needs {need:,} bytes)")
     rows = run(net, tokenizer, [(name, budget) for name in names], cap, clients, requests, prompt_tokens, max_tokens,
                min_tokens)
     print(markdown(rows))

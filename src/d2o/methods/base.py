@@ -67,11 +67,20 @@ class Method:
 
     def __post_init__(self):
         check(whole(self.n_sinks) and self.n_sinks >= 0, "n_sinks", self.n_sinks, "must be a whole number >= 0")
+        if whole(self.exempt_layers):  # exempt_layers=0 on the command line
+            self.exempt_layers = (self.exempt_layers,)
+        check(isinstance(self.exempt_layers, (tuple, list)) and all(map(whole, self.exempt_layers)),
+              "exempt_layers", self.exempt_layers, "must be layer indices (whole numbers), e.g. 0,1,-1")
         self.exempt_layers = tuple(self.exempt_layers)
         self.check_parts()
 
     def check_parts(self) -> None:
-        """Refuse parts that do not fit together (run again once ``get_method`` set nested options)."""
+        """Refuse parts that are not what they must be, or do not fit together (run again once
+        ``get_method`` set nested options)."""
+        check(isinstance(self.allocation, Allocation), "allocation", self.allocation,
+              "must be an allocation: uniform, pyramid, expdecay or variance")
+        check(self.merge is None or all(callable(getattr(self.merge, name, None)) for name in ("merge", "new_state")),
+              "merge", self.merge, "must be a merge (set its fields with merge.NAME=VALUE) or none")
 
     # -- state and diagnostics ------------------------------------------------------------------
     def new_layer_state(self) -> RowState | None:
@@ -169,6 +178,7 @@ class HeavyRecent(Method):
 
     def __post_init__(self):
         super().__post_init__()
+        check(isinstance(self.split, (tuple, list)), "split", self.split, "must be two parts, scored:recent, e.g. 3:1")
         self.split = tuple(self.split)
         check(len(self.split) == 2 and all(map(whole, self.split)) and min(self.split) >= 0 and sum(self.split) > 0,
               "split", self.split, "must be two non-negative parts (whole numbers), scored:recent, not both 0")

@@ -8,7 +8,7 @@ import torch
 
 from d2o.engine.stats import AttentionStats, StatsRequest
 from d2o.errors import D2OError
-from d2o.methods.base import HeavyRecent, register
+from d2o.methods.base import HeavyRecent, check, register
 from d2o.methods.scoring import VOTES, AccumulatedAttention, Scoring
 
 
@@ -33,6 +33,9 @@ class H2O(HeavyRecent):
         return self.scoring.needs_surprisal
 
     def check_parts(self) -> None:
+        super().check_parts()
+        check(all(callable(getattr(self.scoring, name, None)) for name in ("stats_request", "observe", "score")),
+              "scoring", self.scoring, "must be a scoring: accumulated or blended")
         missing = [name for name in getattr(self.merge, "reads", ()) if name not in self.scoring.keeps]
         if VOTES in missing:
             raise D2OError(f"{self.name}: its merge weighs tokens by the votes of the latest queries, which "
