@@ -17,7 +17,7 @@ import typer
 from d2o.bench import check_fit_generate
 from d2o.budget import Budget
 from d2o.errors import D2OError
-from d2o.options import option_texts, parse_bytes, parse_options, split_list
+from d2o.options import distinct, option_texts, parse_bytes, parse_options, split_list
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Long-context inference under a KV-cache budget.")
 bench_app = typer.Typer(no_args_is_help=True, help="Speed and memory, measured side by side in one run.")
@@ -152,6 +152,7 @@ def demo(model: str = typer.Option("smollm2"), length: int = typer.Option(1500),
     """Passkey retrieval at ~1,500 tokens: the full cache against d2o and d2o-plus at 20% and 50%."""
     from d2o.demo import run_demo
 
+    quiet()
     run_demo(model, length, seed)
 
 
@@ -190,6 +191,7 @@ def evaluate(
         task_options=option_texts(task_option, "--task-option"), method_options=method_options,  # typed by the task
     )
     check_config(config)  # before torch loads
+    quiet()
     rows = run_eval(config)
     print((out / "summary.md").read_text())
     print(f"[{len(rows)} rows; files in {out}]", file=sys.stderr)
@@ -287,7 +289,7 @@ def bench_decode(
     dtype: str = DTYPE, device: Optional[str] = DEVICE, out: Path = OUT,
 ):
     """ms per decode step, tokens/s and KV bytes of each method against the full cache, per context and batch."""
-    names, parsed, sizes = split_list(methods), Budget.parse(budget), split_list(lengths, int)
+    names, parsed, sizes = distinct(split_list(methods), "methods"), Budget.parse(budget), split_list(lengths, int)
     batches = split_list(batch, int)
     at_least_one(lengths=sizes, batch=batches, steps=steps, repeats=repeats)
     check_device(device)
@@ -317,7 +319,7 @@ def bench_fit(
 ):
     """The largest batch each method fits under a KV memory cap, and the tokens/s it reaches there."""
 
-    cap, names, parsed = parse_bytes(kv_memory), split_list(methods), Budget.parse(budget)
+    cap, names, parsed = parse_bytes(kv_memory), distinct(split_list(methods), "methods"), Budget.parse(budget)
     at_least_one(prompt=prompt)
     check_fit_generate(generate)
     check_device(device)
@@ -405,7 +407,8 @@ def bench_serve(
 ):
     """Requests/s, tokens/s, latency and time to first token of a server per method, same KV memory."""
 
-    cap, names, parsed = parse_bytes(kv_memory), split_list(methods), Budget.parse(budget, min_tokens)
+    cap, names, parsed = (parse_bytes(kv_memory), distinct(split_list(methods), "methods"),
+                          Budget.parse(budget, min_tokens))
     if min(clients, requests, prompt_tokens, max_tokens) < 1:
         raise D2OError("clients, requests, prompt-tokens and max-tokens must be at least 1")
     if not names:
@@ -438,13 +441,18 @@ def bench_serve(
         out.write_text(json.dumps(rows, indent=1) + "\n")
 
 
-def load(model: str, **options):
-    """``d2o.load_model``, quietly (no progress bars of transformers on the terminal)."""
+def quiet() -> None:
+    """No progress bars of transformers on the terminal (an error stays one line)."""
     from transformers.utils import logging
 
+    logging.disable_progress_bar()
+
+
+def load(model: str, **options):
+    """``d2o.load_model``, quietly."""
     from d2o.models import load_model
 
-    logging.disable_progress_bar()
+    quiet()
     return load_model(model, **options)
 
 

@@ -19,7 +19,10 @@ def option_texts(pairs: list[str], flag: str = "--option") -> dict[str, str]:
         name, sep, text = pair.partition("=")
         if not sep or not name.strip():
             raise D2OError(f"{flag} {pair!r}: expected NAME=VALUE")
-        options[name.strip().replace("-", "_")] = text.strip()
+        name = name.strip().replace("-", "_")
+        if name in options:  # the last would win silently
+            raise D2OError(f"{flag} {name} given twice ({options[name]!r} and {text.strip()!r})")
+        options[name] = text.strip()
     return options
 
 
@@ -56,7 +59,8 @@ def split_list(text: str | None, kind=str) -> tuple | None:
         try:
             items.append(kind(item))
         except ValueError:
-            raise D2OError(f"{item!r} in {text!r} is not a {kind.__name__}") from None
+            what = {int: "a whole number", float: "a number"}.get(kind, f"a {kind.__name__}")
+            raise D2OError(f"{item!r} in {text!r} is not {what}") from None
     return tuple(items)
 
 
@@ -75,3 +79,11 @@ def parse_bytes(text: str | int) -> int:
     if size < 1:
         raise D2OError(f"memory size {text!r} must be at least 1 byte")
     return size
+
+
+def distinct(items: tuple, what: str) -> tuple:
+    """``items``, refused when one is given twice (a table would hold its rows twice)."""
+    twice = sorted({item for item in items if items.count(item) > 1}, key=str)
+    if twice:
+        raise D2OError(f"{', '.join(map(str, twice))} given twice in {what}")
+    return items

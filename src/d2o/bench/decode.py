@@ -75,9 +75,10 @@ def bench_decode(model, tokenizer, methods: list[str], lengths: list[int], batch
     vocab = model.config.get_text_config().vocab_size
     device = next(model.parameters()).device
     alone = device.type == "cuda" if alone is None else alone
+    for n_tokens in lengths:  # every length before any is measured
+        check_length(model, n_tokens, steps)
     rows = []
     for n_tokens in lengths:
-        check_length(model, n_tokens, steps)
         ids = prompt_ids(tokenizer, vocab, n_tokens)
         with torch.inference_mode():
             with stock_attention(model):

@@ -15,6 +15,7 @@ from d2o.budget import MIN_TOKENS, Budget
 from d2o.errors import D2OError
 from d2o.eval.tasks import get_task
 from d2o.eval.tasks.base import PROTOCOLS, Task
+from d2o.options import distinct
 
 FULL = "full"
 
@@ -57,9 +58,7 @@ def check_config(config: EvalConfig) -> tuple[Task, list[Budget]]:
     for what, names in (("methods", config.methods), ("budgets", config.budgets)):
         if not names:
             raise D2OError(f"no {what} given")
-        twice = sorted({name for name in names if names.count(name) > 1})
-        if twice:
-            raise D2OError(f"{', '.join(map(str, twice))} given twice in {what}")
+        distinct(tuple(names), what)
     stray = sorted(set(config.method_options) - set(config.methods))
     if stray:
         raise D2OError(f"options for {', '.join(stray)}, which is not among the methods: {', '.join(config.methods)}")

@@ -10,6 +10,7 @@ from d2o.errors import D2OError
 from d2o.eval.metrics import normalize_answer
 from d2o.eval.tasks.base import Sample, Task, register_task
 from d2o.eval.tasks.passkey import sentence_boundary
+from d2o.options import whole
 
 NEEDLE = "The secret ingredient in Grandma Rosa's famous lemonade is a pinch of smoked sea salt."
 QUESTION = "What is the secret ingredient in Grandma Rosa's famous lemonade?"
@@ -50,6 +51,12 @@ class NeedleInAHaystack(Task):
             raise D2OError(f"depths must be between 0 and 1, got {self.depths}")
         if not normalize_answer(self.fact):
             raise D2OError("the needle's fact is empty")
+        missing = set(normalize_answer(self.fact).split()) - set(normalize_answer(self.needle).split())
+        if missing:  # the score is the share of the fact's words in the answer: these could never be found
+            raise D2OError(f"the fact {self.fact!r} is not in the needle {self.needle!r} "
+                           f"(missing: {', '.join(sorted(missing))})")
+        if any(not whole(n) or n < 1 for n in self.lengths):
+            raise D2OError(f"lengths must be whole numbers of tokens >= 1, got {self.lengths}")
 
     def samples(self, tokenizer, limit, seed):
         text = read_text_file(self.haystack) if self.haystack else essays()
