@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import socket
 import threading
 import time
@@ -236,6 +237,51 @@ def test_a_client_that_disconnects_mid_stream_frees_its_rows_and_memory(server):
         httpx.post(url + "/v1/completions", json={**request, "stream": False}, timeout=1.0)
     after = wait_for(url, lambda m: m[gone] == before.get(gone, 0) + 2 and m["d2o_kv_bytes"] == 0)
     assert after[gone] == before.get(gone, 0) + 2 and after["d2o_kv_bytes"] == 0
+
+
+def test_a_stream_whose_task_is_cancelled_cancels_its_job(real_model):
+    """Ray Serve cancels a request's task when its client goes; the stream's job was cancelled only
+    by a background task that then never ran: it decoded on to max_tokens, holding its memory."""
+    engine = Engine(*real_model, ServeConfig(kv_memory=parse_bytes("64MB")))
+    app = create_app(engine)
+    body = json.dumps({"prompt": "Once upon a time", "max_tokens": 1000, "temperature": 0, "stream": True}).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
+
+    async def cancelled_mid_stream():
+        chunks, asked, forever = [], [], asyncio.get_running_loop().create_future()
+
+        async def receive():  # the body, then a client that never says it has gone
+            if not asked:
+                asked.append(True)
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await forever
+
+        async def send(message):
+            if message["type"] == "http.response.body" and message.get("body"):
+                chunks.append(message["body"])
+
+        task = asyncio.create_task(app(scope, receive, send))
+        while len(chunks) < 3:
+            await asyncio.sleep(0.02)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        for _ in range(200):  # the engine's next round drops the row
+            if not engine.metrics()["requests_running"]:
+                break
+            await asyncio.sleep(0.05)
+        return engine.metrics()
+
+    try:
+        metrics = asyncio.run(cancelled_mid_stream())
+    finally:
+        engine.close()
+    assert metrics["requests_running"] == {} and metrics["kv_bytes"] == 0
+    assert metrics["requests_total"] == {(("budget", "0.2"), ("method", "d2o"), ("outcome", "cancelled")): 1}
+    assert metrics["generated_tokens_total"] < 1000
 
 
 def test_a_row_that_has_not_merged_yet_runs_beside_rows_that_have(server, real_model):

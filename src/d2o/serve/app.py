@@ -18,7 +18,6 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
 from d2o.serve.engine import Engine, Job
@@ -100,12 +99,10 @@ async def answer(engine: Engine, kind: str, body, prompt, max_tokens: int | None
         if event == "error":
             raise payload
         if body.stream:
-            done = True  # the stream's generator owns the job from here
-            # Runs once the stream has ended or its client has gone (a finished job ignores it).
-            cancel = BackgroundTask(engine.cancel, job)
-            return StreamingResponse(stream(engine, job, kind, rid, body.include_usage), background=cancel,
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            done = True  # the stream owns the job from here
+            return JobStream(engine, job, stream(engine, job, kind, rid, body.include_usage),
+                             media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         while event != "done":
             event, payload = await next_event(job, request)
             if event == "error":
@@ -119,6 +116,22 @@ async def answer(engine: Engine, kind: str, body, prompt, max_tokens: int | None
             engine.cancel(job)
 
 
+class JobStream(StreamingResponse):
+    """A stream that cancels its job however it ends (a finished job ignores it): sent whole, its
+    client gone (uvicorn says so), or its task cancelled (Ray Serve cancels a request's task when
+    its client goes, and a background task would then never run)."""
+
+    def __init__(self, engine: Engine, job: Job, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.engine, self.job = engine, job
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.engine.cancel(self.job)
+
+
 async def next_event(job: Job, request: Request):
     while True:
         try:
@@ -130,8 +143,7 @@ async def next_event(job: Job, request: Request):
 
 async def stream(engine: Engine, job: Job, kind: str, rid: str, include_usage: bool):
     """Server-sent events: the text as it becomes final, the finish reason, the usage if asked.
-    A client that goes away cancels this generator; the response's background task then cancels
-    the job."""
+    A client that goes away ends it; ``JobStream`` then cancels the job."""
     name, finished = engine.name, False
     if kind == CHAT:
         yield sse(chunk(kind, rid, name, "", first=True))
