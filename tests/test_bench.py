@@ -202,7 +202,14 @@ def test_throughput_reads_the_memory_at_the_last_steps_context_as_it_does_the_st
 @pytest.mark.parametrize("rows, message", [
     ([], "no rows of `d2o bench decode` to integrate"),
     ([{"method": "full", "budget": "-", "batch": 8, "peak_kv_mib": 1.7}],  # a row of bench fit
-     "a row that `d2o bench decode` did not write: length, ms_per_step, kv_mib missing or not a number"),
+     "a row that `d2o bench decode` did not write: length, ms_per_step, kv_mib missing, not a number"),
+    # Numbers no measurement gives: a division by zero, negative tokens/s, a TypeError
+    ([{"method": "full", "budget": "-", "batch": 1, "length": 10, "ms_per_step": 0, "kv_mib": 1.0}],
+     "did not write: ms_per_step missing, not a number or not positive"),
+    ([{"method": "full", "budget": "-", "batch": 1, "length": 10, "ms_per_step": 2.0, "kv_mib": 1.0,
+       "peak_mib": "x"}], "did not write: peak_mib missing"),
+    ([{"method": ["full"], "budget": "-", "batch": 1, "length": 10, "ms_per_step": 2.0, "kv_mib": 1.0}],
+     "did not write: method missing"),
 ])
 def test_throughput_of_rows_not_from_bench_decode_is_one_line_and_exit_code_2(rows, message, tmp_path):
     (tmp_path / "decode.json").write_text(json.dumps({"rows": rows}))

@@ -237,6 +237,16 @@ def check_out(out: Path, folder: bool = True) -> None:
         raise D2OError(f"cannot create the results {what} {str(out)!r}: {error.strerror or error}") from None
 
 
+def check_shape(model: str, shape: str | None, positions: int | None) -> None:
+    """Refuse options a benchmark's model would silently ignore."""
+    if shape is None and positions is not None:
+        raise D2OError("--positions goes with --shape (a real model has its own positions)")
+    if shape is not None and model != "smollm2":
+        raise D2OError(f"give --model or --shape, not both (--model {model} --shape {shape})")
+    if positions is not None and positions < 1:
+        raise D2OError(f"positions must be at least 1, got {positions}")
+
+
 def check_device(device: str | None) -> None:
     if device is not None and device != "cpu" and not re.fullmatch(r"cuda(:\d+)?", device):
         raise D2OError(f"device {device!r}: cpu or cuda (cuda:N for another GPU)")
@@ -293,6 +303,7 @@ def bench_decode(
     batches = split_list(batch, int)
     at_least_one(lengths=sizes, batch=batches, steps=steps, repeats=repeats)
     check_device(device)
+    check_shape(model, shape, positions)
     check_out(out)
 
     from d2o.bench import plots
@@ -323,6 +334,7 @@ def bench_fit(
     at_least_one(prompt=prompt)
     check_fit_generate(generate)
     check_device(device)
+    check_shape(model, shape, positions)
     check_out(out)
 
     from d2o.bench import plots
@@ -353,6 +365,7 @@ def bench_prefill(
     parsed, sizes = Budget.parse(budget), split_list(lengths, int)
     at_least_one(lengths=sizes, repeats=repeats)
     check_device(device)
+    check_shape(model, shape, positions)
     check_out(out)
 
     from d2o.bench import plots

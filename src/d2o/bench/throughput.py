@@ -22,10 +22,14 @@ def integrate(rows: list[dict], prompt: int, generate: int) -> list[dict]:
     if not isinstance(rows, list) or not rows:
         raise D2OError("no rows of `d2o bench decode` to integrate")
     for row in rows:
-        bad = [key for key in ("method", "budget", *NUMBERS) if not isinstance(row, dict) or key not in row
-               or (key in NUMBERS and not isinstance(row[key], (int, float)))]
+        if not isinstance(row, dict):
+            raise D2OError(f"a row that `d2o bench decode` did not write: {row!r}")
+        bad = [key for key in ("method", "budget") if not isinstance(row.get(key), str)]
+        bad += [key for key in NUMBERS if not _positive(row.get(key))]
+        bad += ["peak_mib"] if "peak_mib" in row and not _positive(row["peak_mib"]) else []
         if bad:
-            raise D2OError(f"a row that `d2o bench decode` did not write: {', '.join(bad)} missing or not a number")
+            raise D2OError(f"a row that `d2o bench decode` did not write: {', '.join(bad)} missing, not a number "
+                           f"or not positive (method and budget: text)")
     cells: dict[tuple, dict[int, dict]] = {}
     for row in rows:
         cells.setdefault((row["method"], row["budget"], row["batch"]), {})[row["length"]] = row
@@ -48,6 +52,10 @@ def integrate(rows: list[dict], prompt: int, generate: int) -> list[dict]:
         if row["batch"] in full:
             row["vs_full_same_batch"] = round(row["tokens_per_s"] / full[row["batch"]]["tokens_per_s"], 2)
     return out
+
+
+def _positive(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0  # NaN is not > 0
 
 
 def _at(by_length: dict[int, dict], lengths: list[int], context: int, key: str) -> float:
