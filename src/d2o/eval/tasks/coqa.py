@@ -6,6 +6,7 @@ import json
 import random
 from dataclasses import dataclass
 
+from d2o.errors import D2OError
 from d2o.eval.downloads import BIGBENCH, archive_member
 from d2o.eval.metrics import coqa_scores
 from d2o.eval.tasks.base import Sample, Task, asked, chat_prompt, pack_passages, register_task, take
@@ -27,6 +28,12 @@ class Coqa(Task):
     length: int = 1500
     chat: bool = True  # through the model's chat template when it has one (the default model answers only so)
     history: int = 3  # earlier turns shown
+
+    def __post_init__(self):
+        if self.length < 1:  # the context is packed to about this many tokens
+            raise D2OError(f"length={self.length} must be at least 1 token")
+        if self.history < 0:
+            raise D2OError(f"history={self.history} must be >= 0 (the earlier turns shown)")
 
     def samples(self, tokenizer, limit, seed):
         path = archive_member(BIGBENCH, "coqa_conversational_question_answering/coqa.test.json")
