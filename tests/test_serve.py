@@ -204,6 +204,11 @@ def test_null_sampling_fields_are_their_defaults(server):
     assert reply.json()["usage"]["completion_tokens"] >= 1
 
 
+def test_a_cap_that_holds_not_one_request_is_refused_at_start(real_model):
+    with pytest.raises(D2OError, match="--kv-memory of 1,000 bytes holds not one request"):
+        Engine(*real_model, ServeConfig(kv_memory=1000))
+
+
 def test_a_default_max_tokens_takes_what_the_model_positions_leave(real_model):
     model, tokenizer = real_model
     limit = model.config.max_position_embeddings

@@ -48,6 +48,11 @@ class Engine:
         self.cap = config.kv_memory
         self.stops = stop_token_ids(model, tokenizer)
         self.dtype_bytes = next(model.parameters()).element_size()
+        method, budget = resolve(config.method, Budget.parse(config.budget, config.min_tokens))
+        smallest = plan(model.config, method, budget, 1, 1, self.dtype_bytes).peak_bytes
+        if smallest > self.cap:  # every request would be refused
+            raise D2OError(f"--kv-memory of {self.cap:,} bytes holds not one request (a 1-token prompt and 1 new "
+                           f"token need {smallest:,} bytes under {config.method})")
         self.stats = Stats()
         self._methods: dict[tuple, tuple] = {}  # key -> (method, budget), for /metrics
         self._lock = threading.Condition()
