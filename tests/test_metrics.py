@@ -267,7 +267,7 @@ def test_task_options_from_the_command_line_are_read_by_their_defaults(tmp_path)
     write_jsonl(folder / "hotpotqa.jsonl", [{"input": "q", "context": "c", "answers": ["a"]}])
     task = get_task("longbench", **option_texts([f"data_dir={folder}", "datasets=hotpotqa", "max_length=100"]))
     assert (task.data_dir, task.datasets, task.max_length) == (str(folder), ("hotpotqa",), 100)
-    niah = get_task("niah", **option_texts(["needle=The code is 42, remember it.", "lengths=300,400",
+    niah = get_task("niah", **option_texts(["needle=The code is 42, remember it.", "fact=42", "lengths=300,400",
                                             "depths=0:0.5", "haystack=none"]))
     assert niah.needle == "The code is 42, remember it." and niah.haystack is None
     assert niah.lengths == (300, 400) and niah.depths == (0, 0.5)
