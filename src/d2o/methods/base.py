@@ -122,6 +122,12 @@ class Method:
             raise D2OError(f"min_tokens={budget.min_tokens} is too low a floor: {self.name} needs at least "
                            f"{self.min_layer_budget} ({self.min_budget_reason()})")
 
+    def exempt_of(self, n_layers: int) -> set[int]:
+        """The exempt layers among ``n_layers`` (negative indices from the last), each checked."""
+        for index in self.exempt_layers:
+            check(-n_layers <= index < n_layers, "exempt_layers", index, f"is not a layer of a {n_layers}-layer model")
+        return {index % n_layers for index in self.exempt_layers}
+
     @property
     def reserved(self) -> int:
         """Tokens every layer sets aside before the rest is shared by ``allocation`` (a window)."""
@@ -131,9 +137,7 @@ class Method:
         """Per-row, per-layer budgets (B, L) summing to ``totals`` (B,) over the layers a budget
         shares (every layer but sliding-window ones); the others are UNLIMITED."""
         n_layers = cache.n_layers
-        for index in self.exempt_layers:
-            check(-n_layers <= index < n_layers, "exempt_layers", index, f"is not a layer of a {n_layers}-layer model")
-        exempt = sorted({index % n_layers for index in self.exempt_layers} & set(cache.compressible))
+        exempt = sorted(self.exempt_of(n_layers) & set(cache.compressible))
         active = [i for i in cache.compressible if i not in exempt]
         prompt = cache.layers[0].real_seen
         weights = self.allocation.weights(cache, active).double()  # (B, len(active))

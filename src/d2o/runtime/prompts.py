@@ -46,9 +46,14 @@ def stop_token_ids(model, tokenizer) -> frozenset[int]:
     return frozenset(i for i in ids if i is not None)
 
 
+def positions(model) -> int | None:
+    """The positions the model has (None: its config does not say)."""
+    return getattr(model.config.get_text_config(), "max_position_embeddings", None)
+
+
 def check_length(model, n_tokens: int, max_new_tokens: int = 0) -> None:
     """Refuse a prompt the model has no positions for, saying by how much."""
-    limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    limit = positions(model)
     if limit is not None and n_tokens + max_new_tokens > limit:
         over = n_tokens + max_new_tokens - limit
         raise D2OError(

@@ -23,8 +23,9 @@ class ServeConfig:
     attention: str = "sdpa"
     device_map: str | None = None
 
-    def check(self) -> None:
-        """Refuse bad options before anything heavy loads (the method and budget too)."""
+    def check(self):
+        """Refuse bad options before anything heavy loads (the method and budget too); returns the
+        default method and budget, resolved."""
         budget = Budget.parse(self.budget, self.min_tokens)
         if self.max_queue < 0:
             raise D2OError(f"max_queue must be >= 0, got {self.max_queue}")
@@ -33,4 +34,4 @@ class ServeConfig:
 
         from d2o.runtime.generation import resolve  # torch loads here, the model not yet
 
-        resolve(self.method, budget)
+        return resolve(self.method, budget)

@@ -28,7 +28,7 @@ from d2o.methods import get_method
 from d2o.runtime.decoding import Batch, Sampling, Sequence
 from d2o.runtime.generation import resolve
 from d2o.runtime.memory import peak_slots, plan, slot_bytes
-from d2o.runtime.prompts import check_length, encode, stop_token_ids
+from d2o.runtime.prompts import check_length, encode, positions, stop_token_ids
 from d2o.serve.config import ServeConfig
 from d2o.serve.jobs import Job, Lane, stable_text
 from d2o.serve.protocol import APIError, Generation
@@ -41,14 +41,13 @@ class Engine:
     """Owns the model and runs every request through it on one background thread."""
 
     def __init__(self, model, tokenizer, config: ServeConfig = ServeConfig()):
-        config.check()
+        method, budget = config.check()
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.name = config.model
         self.fingerprint = "d2o-" + uuid.uuid4().hex[:12]  # tells replicas apart
         self.cap = config.kv_memory
         self.stops = stop_token_ids(model, tokenizer)
         self.dtype_bytes = next(model.parameters()).element_size()
-        method, budget = resolve(config.method, Budget.parse(config.budget, config.min_tokens))
         smallest = plan(model.config, method, budget, 1, 1, self.dtype_bytes).peak_bytes
         if smallest > self.cap:  # every request would be refused
             raise D2OError(f"--kv-memory of {self.cap:,} bytes holds not one request (a 1-token prompt and 1 new "
@@ -89,7 +88,7 @@ class Engine:
         except D2OError as error:
             raise APIError(400, str(error), "messages" if chat else "prompt") from None
         if max_tokens is None:  # the default never makes a prompt that fits too long: it takes what is left
-            limit = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
+            limit = positions(self.model)
             max_tokens = self.config.max_tokens if limit is None else max(1, min(self.config.max_tokens,
                                                                                  limit - len(ids)))
         try:

@@ -20,7 +20,7 @@ from d2o.budget import UNLIMITED
 from d2o.engine.policy import Merge
 from d2o.errors import D2OError
 from d2o.methods.allocation import Allocation, ExponentialDecay, InverseVariance, Pyramid, Uniform, layer_density
-from d2o.methods.base import check, register, register_variant
+from d2o.methods.base import register, register_variant
 from d2o.methods.d2o.merging import MergeState, SimilarityMerge
 from d2o.methods.h2o import H2O
 
@@ -81,9 +81,7 @@ class D2OOfficial(D2O):
 
     def allocate(self, cache, totals: torch.Tensor) -> torch.Tensor:
         n_layers = len(cache.compressible)  # the layers a budget shares (not sliding-window ones)
-        for index in self.exempt_layers:
-            check(-n_layers <= index < n_layers, "exempt_layers", index, f"is not a layer of a {n_layers}-layer model")
-        exempt = {cache.compressible[index % n_layers] for index in self.exempt_layers}
+        exempt = {cache.compressible[position] for position in self.exempt_of(n_layers)}
         density = torch.stack([cache.layers[i].state.density for i in cache.compressible], dim=-1)  # (B, L)
         seen = cache.layers[0].real_seen  # the prompt and the first generated token: S + 1
         rho = cache.budget.ratio if cache.budget.ratio is not None else cache.budget.tokens / (seen - 1).clamp_min(1)
