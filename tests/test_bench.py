@@ -91,6 +91,22 @@ def test_fit_counts_the_last_rows_uncompressed_prompt_in_its_peak(tiny):
     assert row["peak_kv_mib"] == row["planned_kv_mib"] == round((need.prefill_bytes + 10 * need.held_bytes) / 2**20, 1)
 
 
+def test_fit_stops_at_max_batch_when_the_cap_holds_more(tiny):
+    """A terabyte cap on a tiny model would build and decode millions of rows."""
+    rows = bench_fit(tiny, None, 2**40, 32, 4, ["full", "h2o"], Budget(ratio=0.5, min_tokens=8), 4, max_batch=3)
+    assert [row["batch"] for row in rows] == [3, 3]
+
+
+def test_fit_says_which_batches_stopped_at_max_batch(tmp_path):
+    done = subprocess.run([sys.executable, "-c", "from d2o.cli import main; main()", "bench", "fit", "--kv-memory",
+                           "1TB", "--shape", "tiny", "--prompt", "32", "--generate", "4", "--methods", "full,h2o",
+                           "--budget", "0.5", "--max-batch", "2", "--out", str(tmp_path)], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr
+    assert "full, h2o: the batch reached --max-batch 2 rows before the KV cap" in done.stderr
+    assert [row["batch"] for row in json.loads((tmp_path / "fit.json").read_text())["rows"]] == [2, 2]
+
+
 def test_a_method_decoding_alone_reports_its_own_peak_not_the_others_caches(tiny):
     """As on a GPU: each method's batch is built, decoded and freed before the next one's."""
     rows = {row["method"]: row for row in bench_decode(tiny, None, ["full", "h2o"], [480], [32], Budget.parse("0.2"),
@@ -120,6 +136,7 @@ def test_the_gpu_script_runs_on_the_cpu(tmp_path):
     (["fit", "--kv-memory", "1KB", "--shape", "tiny", "--prompt", "64", "--generate", "8"],
      "a KV cap of 0 MiB holds not one 64+8-token sequence under full"),
     (["fit", "--kv-memory", "1MB", "--shape", "tiny", "--generate", "1"], "generate must be at least 2, got 1"),
+    (["fit", "--kv-memory", "1MB", "--shape", "tiny", "--max-batch", "0"], "max_batch must be at least 1, got 0"),
     (["fit", "--kv-memory", "12XB", "--shape", "tiny"],
      "memory size '12XB': expected a number of bytes or a number with a unit"),
     (["decode", "--shape", "tiny", "--positions", "100", "--lengths", "200", "--steps", "2"],

@@ -178,12 +178,13 @@ def evaluate(
     """Evaluate methods x budgets on a task; writes samples.jsonl, summary.csv/.md and plots to OUT."""
     from d2o.eval.sweep import EvalConfig, check_config, run_eval
 
-    method_options: dict = {}
+    per_method: dict[str, list[str]] = {}
     for pair in option:
         target, dot, rest = pair.partition(".")
         if not dot:
             raise D2OError(f"--option {pair!r}: expected METHOD.NAME=VALUE")
-        method_options.setdefault(target, {}).update(parse_options([rest]))
+        per_method.setdefault(target, []).append(rest)
+    method_options = {target: parse_options(pairs, prefix=f"{target}.") for target, pairs in per_method.items()}
     config = EvalConfig(
         task=task, model=model, methods=split_list(methods), budgets=split_list(budgets), limit=limit, seed=seed,
         out=str(out), shared_prefill=not separate_prefill, dtype=dtype, attention=attention, min_tokens=min_tokens,
@@ -325,13 +326,14 @@ def bench_fit(
     generate: int = typer.Option(512, help="Tokens generated per sequence."),
     methods: str = typer.Option("full,h2o,d2o", help=METHODS_HELP),
     budget: str = typer.Option("0.2", help=BUDGET_HELP),
+    max_batch: int = typer.Option(256, help="No batch grows past this many rows, whatever the cap holds."),
     model: str = MODEL, shape: Optional[str] = SHAPE, positions: Optional[int] = POSITIONS,
     dtype: str = DTYPE, device: Optional[str] = DEVICE, out: Path = OUT,
 ):
     """The largest batch each method fits under a KV memory cap, and the tokens/s it reaches there."""
 
     cap, names, parsed = parse_bytes(kv_memory), distinct(split_list(methods), "methods"), Budget.parse(budget)
-    at_least_one(prompt=prompt)
+    at_least_one(prompt=prompt, max_batch=max_batch)
     check_fit_generate(generate)
     check_device(device)
     check_shape(model, shape, positions)
@@ -342,9 +344,13 @@ def bench_fit(
     from d2o.bench.output import emit
 
     net, tokenizer = bench_model(model, shape, positions or prompt + generate + 1, dtype, device, names, parsed)
-    rows = run(net, tokenizer, cap, prompt, generate, names, parsed, next(net.parameters()).element_size())
+    rows = run(net, tokenizer, cap, prompt, generate, names, parsed, next(net.parameters()).element_size(), max_batch)
+    stopped = [row["method"] for row in rows if row["batch"] == max_batch]
+    if stopped:  # not the cap's measure: said, so that the ratios are not read as the cap's
+        typer.echo(f"{', '.join(stopped)}: the batch reached --max-batch {max_batch} rows before the KV cap "
+                   f"(the cap may hold more)", err=True)
     setting = dict(model=shape or model, dtype=dtype, kv_memory=cap, prompt=prompt, generate=generate,
-                   budget=str(parsed))
+                   budget=str(parsed), max_batch=max_batch)
     emit(rows, f"Throughput under {kv_memory} of KV cache: {shape or model}, {prompt} + {generate} tokens", "fit",
          out, setting)
     plots.bars(rows, "decode_tokens_per_s", "decode tokens/s", f"tokens/s under {kv_memory} of KV cache",

@@ -12,23 +12,24 @@ def whole(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def option_texts(pairs: list[str], flag: str = "--option") -> dict[str, str]:
-    """``["split=3:1", "alpha=0.3"]`` -> ``{"split": "3:1", "alpha": "0.3"}`` (dashes in names become _)."""
+def option_texts(pairs: list[str], flag: str = "--option", prefix: str = "") -> dict[str, str]:
+    """``["split=3:1", "alpha=0.3"]`` -> ``{"split": "3:1", "alpha": "0.3"}`` (dashes in names become _).
+    ``prefix``: what the user wrote before each pair (``d2o.`` for ``--option d2o.split=3:1``), for messages."""
     options = {}
     for pair in pairs:
         name, sep, text = pair.partition("=")
         if not sep or not name.strip():
-            raise D2OError(f"{flag} {pair!r}: expected NAME=VALUE")
+            raise D2OError(f"{flag} {prefix + pair!r}: expected {'METHOD.' if prefix else ''}NAME=VALUE")
         name = name.strip().replace("-", "_")
         if name in options:  # the last would win silently
-            raise D2OError(f"{flag} {name} given twice ({options[name]!r} and {text.strip()!r})")
+            raise D2OError(f"{flag} {prefix}{name} given twice ({options[name]!r} and {text.strip()!r})")
         options[name] = text.strip()
     return options
 
 
-def parse_options(pairs: list[str], flag: str = "--option") -> dict:
+def parse_options(pairs: list[str], flag: str = "--option", prefix: str = "") -> dict:
     """``["split=3:1", "alpha=0.3"]`` -> ``{"split": (3, 1), "alpha": 0.3}``, each value by ``parse_value``."""
-    return {name: parse_value(text) for name, text in option_texts(pairs, flag).items()}
+    return {name: parse_value(text) for name, text in option_texts(pairs, flag, prefix).items()}
 
 
 def parse_value(text: str):

@@ -32,6 +32,7 @@ from d2o.runtime.memory import padded_bytes, peak_slots, plan, slot_bytes, slot_
 from d2o.runtime.prompts import check_length
 
 FULL = "full"
+MAX_BATCH = 256
 
 
 @dataclass
@@ -55,9 +56,9 @@ def largest_batch(cap: int, prefill_bytes: int, held_bytes: int) -> int:
     return 1 + (cap - max(prefill_bytes, held_bytes)) // held_bytes
 
 
-def _run_full(model, need, cap: int, prompt_of, generate: int) -> Run:
-    """The stock cache: ``largest_batch`` rows prefilled in one batch, then decoded."""
-    batch = largest_batch(cap, need.prefill_bytes, need.held_bytes)
+def _run_full(model, need, cap: int, max_batch: int, prompt_of, generate: int) -> Run:
+    """The stock cache: ``largest_batch`` rows (at most ``max_batch``) prefilled in one batch, then decoded."""
+    batch = min(max_batch, largest_batch(cap, need.prefill_bytes, need.held_bytes))
     prompts = [prompt_of(row) for row in range(batch)]
     start = perf_counter()
     decoding = Batch.prefill(model, DynamicCache(config=model.config), prompts,
@@ -68,10 +69,12 @@ def _run_full(model, need, cap: int, prompt_of, generate: int) -> Run:
                decode_tokens)
 
 
-def _run_packed(model, method, budget, need, cap: int, per_slot: int, prompt_of, generate: int) -> Run:
-    """A compressed cache: rows prefilled alone, compressed and joined while they fit (see above)."""
+def _run_packed(model, method, budget, need, cap: int, max_batch: int, per_slot: int, prompt_of,
+                generate: int) -> Run:
+    """A compressed cache: rows prefilled alone, compressed and joined while they fit (see above), at
+    most ``max_batch`` of them."""
     decoding, peaks, planned, most, prefill_seconds = None, None, 0, 0, 0.0
-    while True:
+    while decoding is None or decoding.size < max_batch:
         held = decoding.cache.nbytes if decoding else 0  # the rows wait, not decoding, while the next is prefilled
         if held + need.prefill_bytes > cap:
             break
@@ -120,9 +123,10 @@ def _held(cache) -> int:
 
 
 def bench_fit(model, tokenizer, cap: int, prompt: int, generate: int, methods: list[str], budget: Budget,
-              dtype_bytes: int) -> list[dict]:
-    """Per method: the largest batch under ``cap``, its measured tokens/s and peak KV bytes, and
-    the ratios to the full cache."""
+              dtype_bytes: int, max_batch: int = MAX_BATCH) -> list[dict]:
+    """Per method: the largest batch under ``cap`` (and at most ``max_batch`` rows: a cap far above
+    the model's needs would otherwise build and decode millions of rows), its measured tokens/s and
+    peak KV bytes, and the ratios to the full cache."""
     check_length(model, prompt, generate)
     check_fit_generate(generate)
     prompt_of = row_prompts(tokenizer, model.config.get_text_config().vocab_size, prompt)
@@ -139,10 +143,10 @@ def bench_fit(model, tokenizer, cap: int, prompt: int, generate: int, methods: l
         with torch.inference_mode():
             if name == FULL:
                 with stock_attention(model):
-                    run = _run_full(model, need, cap, prompt_of, generate)
+                    run = _run_full(model, need, cap, max_batch, prompt_of, generate)
             else:
                 per_slot = slot_bytes(model.config, dtype_bytes, method)
-                run = _run_packed(model, method, budget, need, cap, per_slot, prompt_of, generate)
+                run = _run_packed(model, method, budget, need, cap, max_batch, per_slot, prompt_of, generate)
         if run.batch == 0:  # a row's plan bounds its peak, so this is not expected
             raise none_fit
         rows.append({"method": name, "budget": "-" if name == FULL else str(budget), "batch": run.batch,
