@@ -239,8 +239,12 @@ def test_every_knob_is_reachable_by_name():
     assert get_method("d2o", **{"allocation.r_min": 0.05}).allocation == InverseVariance(r_min=0.05)
     with pytest.raises(D2OError, match="allocation='zigzag' must be one of"):
         get_method("d2o", allocation="zigzag")
-    with pytest.raises(D2OError, match="has no option 'merge.beta'"):
+    with pytest.raises(D2OError, match=r"no option 'merge.beta': its merge \(SimilarityMerge\) has options alpha, "):
         get_method("d2o", **{"merge.beta": 1})
+    with pytest.raises(D2OError, match=r"'scoring.window': its scoring \(AccumulatedAttention\) has no options"):
+        get_method("d2o", **{"scoring.window": 8})  # a window needs scoring=blended
+    with pytest.raises(D2OError, match="'mrege.alpha': its parts with options are allocation, merge, scoring"):
+        get_method("d2o", **{"mrege.alpha": 0.3})
     with pytest.raises(D2OError, match="alpha=2"):
         get_method("d2o", **{"merge.alpha": 2})
 

@@ -32,11 +32,20 @@ def essay_tokens(tokenizer, n_tokens: int) -> list[int]:
     return all_essay_tokens(tokenizer, n_tokens)[:n_tokens]
 
 
-def read_text_file(path: str | Path) -> str:
-    """A user-supplied text file, with a clear error when it is missing or empty."""
+def check_text_file(path: str | Path) -> Path:
+    """A user-supplied text file that exists and is a file: checked when the option is given, before
+    any model loads."""
     path = Path(path)
+    if path.is_dir():
+        raise D2OError(f"text file {str(path)!r} is a folder")
     if not path.is_file():
         raise D2OError(f"text file {str(path)!r} not found")
+    return path
+
+
+def read_text_file(path: str | Path) -> str:
+    """A user-supplied text file, with a clear error when it is missing, a folder or empty."""
+    path = check_text_file(path)
     text = path.read_text(encoding="utf-8", errors="replace").strip()
     if not text:
         raise D2OError(f"text file {str(path)!r} is empty")

@@ -53,6 +53,8 @@ def check_config(config: EvalConfig) -> tuple[Task, list[Budget]]:
     task = get_task(config.task, **config.task_options)
     if config.protocol not in PROTOCOLS:
         raise D2OError(f"protocol {config.protocol!r} must be one of {', '.join(PROTOCOLS)}")
+    if config.protocol == "context" and not task.asks:
+        raise D2OError(f"{task.name} has no question to keep out of compression: --protocol context does not apply")
     if config.limit is not None and config.limit < 1:
         raise D2OError(f"limit must be at least 1, got {config.limit}")
     for what, names in (("methods", config.methods), ("budgets", config.budgets)):

@@ -36,6 +36,7 @@ class Task:
     summary: ClassVar[str] = ""
     metrics: ClassVar[tuple[str, ...]] = ("score",)
     higher_is_better: ClassVar[bool] = True
+    asks: ClassVar[bool] = True  # its samples end in a question (that --protocol context can keep out)
 
     def samples(self, tokenizer, limit: int | None, seed: int) -> list[Sample]:
         raise NotImplementedError

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from d2o.data import essays, read_text_file
+from d2o.data import check_text_file, essays, read_text_file
 from d2o.errors import D2OError
 from d2o.eval.metrics import normalize_answer
 from d2o.eval.tasks.base import Sample, Task, register_task
@@ -57,6 +57,8 @@ class NeedleInAHaystack(Task):
                            f"(missing: {', '.join(sorted(missing))})")
         if any(not whole(n) or n < 1 for n in self.lengths):
             raise D2OError(f"lengths must be whole numbers of tokens >= 1, got {self.lengths}")
+        if self.haystack:
+            check_text_file(self.haystack)
 
     def samples(self, tokenizer, limit, seed):
         text = read_text_file(self.haystack) if self.haystack else essays()

@@ -10,7 +10,7 @@ import random
 import re
 from dataclasses import dataclass
 
-from d2o.data import essays, read_text_file
+from d2o.data import check_text_file, essays, read_text_file
 from d2o.errors import D2OError
 from d2o.eval.tasks.base import Sample, Task, register_task
 
@@ -77,6 +77,10 @@ class Passkey(Task):
 
     length: int = 1500
     haystack: str | None = None
+
+    def __post_init__(self):
+        if self.haystack:
+            check_text_file(self.haystack)
 
     def samples(self, tokenizer, limit, seed):
         filler = read_text_file(self.haystack) if self.haystack else essays()

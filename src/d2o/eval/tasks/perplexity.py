@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass
 
 from d2o.budget import Budget
-from d2o.data import essays, read_text_file
+from d2o.data import check_text_file, essays, read_text_file
 from d2o.errors import D2OError
 from d2o.eval.tasks.base import Sample, Task, register_task
 
@@ -25,6 +25,7 @@ class Perplexity(Task):
     summary = "perplexity of a long real text fed in chunks through the compressed cache"
     metrics = ("perplexity",)
     higher_is_better = False
+    asks = False
 
     length: int = 8192
     chunk: int = 64
@@ -37,6 +38,8 @@ class Perplexity(Task):
                            f"length {self.length}")
         if self.window < 1:
             raise D2OError(f"perplexity's window (tokens per point of the curve) must be at least 1, got {self.window}")
+        if self.text:
+            check_text_file(self.text)
 
     def samples(self, tokenizer, limit, seed):
         return [Sample(f"perplexity-{self.length}", "", None, max_new_tokens=0, meta={"tokens": self.length})]
