@@ -8,6 +8,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from d2o import Budget, D2OError
 from d2o.cli import main
 from d2o.data import essays
+from d2o.eval.sweep import EvalConfig, check_config
 
 
 def run_cli(monkeypatch, capsys, *args) -> tuple[int, str, str]:
@@ -221,6 +222,12 @@ def test_bench_serve_refuses_a_run_no_request_of_which_could_be_answered(monkeyp
     """It served every request a 400 and printed a table of NaN, exit code 0."""
     code, _, err = run_cli(monkeypatch, capsys, "bench", "serve", *args)
     assert code == 2 and message in err and err.count("\n") == 1, err
+
+
+def test_an_eval_whose_results_file_is_a_folder_is_refused(tmp_path):
+    (tmp_path / "summary.md").mkdir()
+    with pytest.raises(D2OError, match=f"results file '{tmp_path / 'summary.md'}' is a folder"):
+        check_config(EvalConfig(task="passkey", out=str(tmp_path)))
 
 
 def test_an_eval_that_fails_its_checks_leaves_its_folder_free(monkeypatch, capsys, tmp_path, real_model):

@@ -67,6 +67,9 @@ def check_config(config: EvalConfig) -> tuple[Task, list[Budget]]:
     out = Path(config.out)
     if out.exists() and not out.is_dir():
         raise D2OError(f"results folder {str(out)!r} is a file")
+    for name in ("samples.jsonl", "summary.csv", "summary.md", "config.json"):  # written into it
+        if (out / name).is_dir():
+            raise D2OError(f"results file {str(out / name)!r} is a folder")
     return task, [Budget.parse(b, config.min_tokens) for b in config.budgets]
 
 
