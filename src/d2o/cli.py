@@ -14,7 +14,7 @@ from typing import Optional
 
 import typer
 
-from d2o.bench import check_fit_generate
+from d2o.bench import FIT_MAX_BATCH, check_fit_generate
 from d2o.budget import Budget
 from d2o.errors import D2OError
 from d2o.options import distinct, option_texts, parse_bytes, parse_options, split_list
@@ -326,7 +326,7 @@ def bench_fit(
     generate: int = typer.Option(512, help="Tokens generated per sequence."),
     methods: str = typer.Option("full,h2o,d2o", help=METHODS_HELP),
     budget: str = typer.Option("0.2", help=BUDGET_HELP),
-    max_batch: int = typer.Option(256, help="No batch grows past this many rows, whatever the cap holds."),
+    max_batch: int = typer.Option(FIT_MAX_BATCH, help="No batch grows past this many rows, whatever the cap holds."),
     model: str = MODEL, shape: Optional[str] = SHAPE, positions: Optional[int] = POSITIONS,
     dtype: str = DTYPE, device: Optional[str] = DEVICE, out: Path = OUT,
 ):

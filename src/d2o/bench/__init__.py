@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from d2o.errors import D2OError
 
+FIT_MAX_BATCH = 256  # bench fit's default cap on rows (here, where the command line reads it without torch)
+
 
 def check_fit_generate(generate: int) -> None:
     """``bench fit`` times decoding from the second generated token, so it needs two. Here, where

@@ -21,7 +21,7 @@ from time import perf_counter
 import torch
 from transformers import DynamicCache
 
-from d2o.bench import check_fit_generate
+from d2o.bench import FIT_MAX_BATCH, check_fit_generate
 from d2o.bench.models import row_prompts, stock_attention
 from d2o.budget import Budget
 from d2o.engine.cache import CompressedCache
@@ -32,7 +32,6 @@ from d2o.runtime.memory import padded_bytes, peak_slots, plan, slot_bytes, slot_
 from d2o.runtime.prompts import check_length
 
 FULL = "full"
-MAX_BATCH = 256
 
 
 @dataclass
@@ -123,7 +122,7 @@ def _held(cache) -> int:
 
 
 def bench_fit(model, tokenizer, cap: int, prompt: int, generate: int, methods: list[str], budget: Budget,
-              dtype_bytes: int, max_batch: int = MAX_BATCH) -> list[dict]:
+              dtype_bytes: int, max_batch: int = FIT_MAX_BATCH) -> list[dict]:
     """Per method: the largest batch under ``cap`` (and at most ``max_batch`` rows: a cap far above
     the model's needs would otherwise build and decode millions of rows), its measured tokens/s and
     peak KV bytes, and the ratios to the full cache."""
