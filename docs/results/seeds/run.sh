@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# NIAH at two more seeds (3 and 4: haystacks no setting was chosen on), both protocols, for the full
+# cache, the strongest baselines, D2O and d2o-plus with its merge ablations: is what seed 0 shows
+# about merging a property of the method or of one seed? Each command resumes.
+# Usage: bash docs/results/seeds/run.sh [SEED...]   (default: 3 4; about 30 min per seed on one thread)
+set -euo pipefail
+D2O=${D2O:-.venv/bin/d2o}
+OUT=${OUT:-docs/results/seeds}
+M=full,tova,snapkv,roco,d2o,d2o-nomerge,d2o-plus,d2o-plus-nomerge,d2o-plus-nomass
+NIAH="--task-option lengths=500,1000,2000 --task-option depths=0,0.25,0.5,0.75,1"
+for seed in ${*:-3 4}; do
+  for protocol in prompt context; do
+    suffix=$([ "$protocol" = context ] && echo "-context" || true)
+    $D2O eval --task niah $NIAH --limit 1 --seed "$seed" --methods $M --budgets 0.1,0.2,0.5 --protocol $protocol \
+      --out "$OUT/seed$seed/niah$suffix"
+  done
+done
