@@ -14,7 +14,7 @@ from pathlib import Path
 from d2o.budget import MIN_TOKENS, Budget
 from d2o.errors import D2OError
 from d2o.eval.tasks import get_task
-from d2o.eval.tasks.base import PROTOCOLS, Task
+from d2o.eval.tasks.base import Task
 from d2o.options import distinct
 
 FULL = "full"
@@ -51,10 +51,7 @@ def check_config(config: EvalConfig) -> tuple[Task, list[Budget]]:
     """Everything that can be checked without torch: the task and its options, the methods, the
     budgets, the limit, the output folder."""
     task = get_task(config.task, **config.task_options)
-    if config.protocol not in PROTOCOLS:
-        raise D2OError(f"protocol {config.protocol!r} must be one of {', '.join(PROTOCOLS)}")
-    if config.protocol == "context" and not task.asks:
-        raise D2OError(f"{task.name} has no question to keep out of compression: --protocol context does not apply")
+    task.check_protocol(config.protocol)
     if config.limit is not None and config.limit < 1:
         raise D2OError(f"limit must be at least 1, got {config.limit}")
     for what, names in (("methods", config.methods), ("budgets", config.budgets)):

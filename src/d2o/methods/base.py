@@ -250,8 +250,8 @@ def get_method(name: str, **options) -> Method:
         component, _, attribute = key.partition(".")
         part = getattr(method, component, None)
         if not is_dataclass(part) or attribute not in {f.name for f in fields(part)}:
-            parts = [f.name for f in fields(method) if is_dataclass(getattr(method, f.name))]
             if not is_dataclass(part):
+                parts = [f.name for f in fields(method) if is_dataclass(getattr(method, f.name))]
                 raise D2OError(f"{name} has no option {key!r}: its parts with options are {', '.join(parts) or 'none'}")
             has = ", ".join(f.name for f in fields(part))
             raise D2OError(f"{name} has no option {key!r}: its {component} ({type(part).__name__}) has "

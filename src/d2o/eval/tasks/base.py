@@ -51,8 +51,7 @@ class Task:
     def encode(self, sample: Sample, tokenizer, protocol: str = "prompt") -> tuple[list[int], list[int]]:
         """The token ids to prefill and those fed after compression. ``prompt``: the whole prompt is
         compressed (nothing after); ``context``: the question is kept out of compression."""
-        if protocol not in PROTOCOLS:
-            raise D2OError(f"protocol {protocol!r} must be one of {', '.join(PROTOCOLS)}")
+        self.check_protocol(protocol)
         if protocol == "prompt":
             return tokenizer(sample.prompt, add_special_tokens=sample.special_tokens).input_ids, []
         if not sample.question:
@@ -61,6 +60,13 @@ class Task:
         context = sample.prompt[: len(sample.prompt) - len(sample.question)]
         return (tokenizer(context, add_special_tokens=sample.special_tokens).input_ids,
                 tokenizer(sample.question, add_special_tokens=False).input_ids)
+
+    def check_protocol(self, protocol: str) -> None:
+        """A protocol this task can run: ``context`` needs samples that end in a question."""
+        if protocol not in PROTOCOLS:
+            raise D2OError(f"protocol {protocol!r} must be one of {', '.join(PROTOCOLS)}")
+        if protocol == "context" and not self.asks:
+            raise D2OError(f"{self.name} has no question to keep out of compression: --protocol context does not apply")
 
     def run(self, runner, sample: Sample, ids: list[int], question: list[int], todo: list):
         """Every run of ``todo`` on ``sample``, yielding each outcome as it is done (so a sweep

@@ -45,8 +45,7 @@ class Perplexity(Task):
         return [Sample(f"perplexity-{self.length}", "", None, max_new_tokens=0, meta={"tokens": self.length})]
 
     def encode(self, sample, tokenizer, protocol: str = "prompt"):
-        if protocol != "prompt":
-            raise D2OError("perplexity has no question to keep out of compression: --protocol context does not apply")
+        self.check_protocol(protocol)
         source = read_text_file(self.text) if self.text else essays()
         ids = tokenizer(source, add_special_tokens=False).input_ids
         if len(ids) < self.length:
