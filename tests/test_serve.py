@@ -170,11 +170,19 @@ BAD = [
      400, "messages", "context_length_exceeded"),
     ("more than the whole KV memory", {**CHAT, "messages": [{"role": "user", "content": "word " * 2000}],
                                        "kv_method": "full"}, 400, None, "kv_memory_exceeded"),
+    ("a max_tokens beyond the model's positions", {**CHAT, "max_tokens": 100_000}, 400, "max_tokens",
+     "context_length_exceeded"),
     ("an unknown model", {**CHAT, "model": "gpt-9"}, 404, "model", "model_not_found"),
     ("a budget of a Unicode digit", {**CHAT, "kv_budget": "\u00b2t"}, 400, "kv_budget", None),
     ("a budget beyond any model", {**CHAT, "kv_budget": "99999999999999999999t"}, 400, "kv_budget", None),
     ("logprobs", {**CHAT, "logprobs": True}, 400, "logprobs", None),
     ("echo", {**CHAT, "echo": True}, 400, "echo", None),
+    ("logit_bias", {**CHAT, "logit_bias": {"1": 100}}, 400, "logit_bias", None),
+    ("a presence penalty", {**CHAT, "presence_penalty": 1.5}, 400, "presence_penalty", None),
+    ("a JSON response format", {**CHAT, "response_format": {"type": "json_object"}}, 400, "response_format", None),
+    ("tools", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", None),
+    ("usage asked of an answer not streamed", {**CHAT, "stream_options": {"include_usage": True}}, 400,
+     "stream_options", None),
 ]
 
 
@@ -198,10 +206,20 @@ def test_a_bad_request_gets_an_openai_error_and_the_server_keeps_serving(server,
 def test_null_sampling_fields_are_their_defaults(server):
     url, _ = server
     body = {**CHAT, "temperature": None, "top_p": None, "top_k": None, "n": None, "stream": None, "seed": None,
-            "stream_options": {"include_usage": None}}
+            "stream_options": {"include_usage": None}, "presence_penalty": 0, "logit_bias": {}, "tool_choice": None,
+            "response_format": {"type": "text"}}  # and the "off" values of what is not supported
     reply = httpx.post(url + "/v1/chat/completions", json=body)
     assert reply.status_code == 200, reply.text
     assert reply.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_a_prompt_whose_prefill_exceeds_the_memory_is_told_to_be_shorter(server):
+    """The prefill holds every prompt token: a smaller budget would not help, and the error says so."""
+    url, _ = server
+    long = {**CHAT, "messages": [{"role": "user", "content": "word " * 2000}], "kv_method": "h2o", "kv_budget": "16t"}
+    reply = httpx.post(url + "/v1/chat/completions", json=long)
+    assert reply.status_code == 400 and reply.json()["error"]["code"] == "kv_memory_exceeded"
+    assert "use a shorter prompt (the prefill holds every prompt token" in reply.json()["error"]["message"]
 
 
 def test_a_cap_that_holds_not_one_request_is_refused_at_start(real_model):

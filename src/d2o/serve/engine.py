@@ -94,13 +94,17 @@ class Engine:
         try:
             check_length(self.model, len(ids), max_tokens)
         except D2OError as error:
-            raise APIError(400, str(error), "messages" if chat else "prompt", "context_length_exceeded") from None
+            prompt_fits = positions(self.model) is None or len(ids) < positions(self.model)
+            param = "max_tokens" if prompt_fits else "messages" if chat else "prompt"  # the part to shorten
+            raise APIError(400, str(error), param, "context_length_exceeded") from None
         kv_plan = plan(self.model.config, method, budget, len(ids), max_tokens, self.dtype_bytes)
         if kv_plan.peak_bytes > self.cap:
+            # The prefill holds every prompt token before compressing: there, only a shorter prompt helps.
+            remedy = ("a shorter prompt (the prefill holds every prompt token before the cache is compressed)"
+                      if kv_plan.prefill_bytes > self.cap else "a smaller kv_budget, prompt or max_tokens")
             raise APIError(400, f"this request needs {kv_plan.peak_bytes:,} bytes of KV cache at its peak "
                            f"({method.name}, {len(ids)} prompt tokens + {max_tokens} new): more than the server's "
-                           f"whole --kv-memory of {self.cap:,}; use a smaller kv_budget, prompt or max_tokens",
-                           None, "kv_memory_exceeded")
+                           f"whole --kv-memory of {self.cap:,}; use {remedy}", None, "kv_memory_exceeded")
         sampling = Sampling(request.temperature, request.top_p, request.seed, max(request.top_k, 0))
         sequence = Sequence(self.tokenizer, max_tokens, sampling, self.stops, tuple(request.stop or ()),
                             stop_after_space=False)  # OpenAI: a stop string anywhere ends the answer

@@ -1,14 +1,16 @@
 """The OpenAI formats: requests (pydantic models), responses, stream chunks and error bodies.
 
-Fields d2o does not use are ignored, as OpenAI's own server ignores what it does not know; two
-extension fields choose the cache per request: ``kv_method`` and ``kv_budget``.
+Fields d2o does not know are ignored, as OpenAI's own server ignores what it does not know; those
+of OpenAI's that would change the answer and that d2o does not implement are refused
+(``NOT_SUPPORTED``). Two extension fields choose the cache per request: ``kv_method`` and
+``kv_budget``.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr, field_validator, model_validator
 
@@ -27,6 +29,13 @@ class APIError(Exception):
 
 
 NULL_IS_DEFAULT = ("temperature", "top_p", "top_k", "n", "stream")
+# Fields of OpenAI's API that change the answer and that this server does not implement, with the
+# values that ask for nothing (null too): anything else is refused, not ignored, since the client
+# would take the answer for one that honours them.
+NOT_SUPPORTED = {"logprobs": (False, 0), "top_logprobs": (0,), "echo": (False,), "logit_bias": ({},),
+                 "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "best_of": (1,),
+                 "suffix": ("",), "response_format": ({"type": "text"},), "tools": ([],),
+                 "tool_choice": ("none", "auto"), "functions": ([],), "function_call": ("none", "auto")}
 
 
 class StreamOptions(BaseModel):
@@ -50,9 +59,21 @@ class Generation(BaseModel):
     stream_options: Optional[StreamOptions] = None
     kv_method: Optional[str] = None
     kv_budget: Union[StrictInt, StrictFloat, StrictStr, None] = None  # strict: true is not a budget of 1
-    logprobs: Union[bool, int, None] = None
-    top_logprobs: Optional[int] = None
-    echo: Optional[bool] = None
+    # Not supported (see NOT_SUPPORTED): any value, so the refusal names the field whatever its type.
+    logprobs: Any = None
+    top_logprobs: Any = None
+    echo: Any = None
+    logit_bias: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    repetition_penalty: Any = None
+    best_of: Any = None
+    suffix: Any = None
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
 
     @model_validator(mode="before")
     @classmethod
@@ -62,12 +83,20 @@ class Generation(BaseModel):
             body = {k: v for k, v in body.items() if not (v is None and k in NULL_IS_DEFAULT)}
         return body
 
-    @field_validator("logprobs", "top_logprobs", "echo")
+    @field_validator(*NOT_SUPPORTED)
     @classmethod
     def _not_supported(cls, value, info):
-        if value not in (None, False, 0):  # refused rather than ignored: a client would read null
+        if value is not None and value not in NOT_SUPPORTED[info.field_name]:
             raise ValueError(f"{info.field_name} is not supported by this server")
         return value
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_streamed(cls, options, info):
+        if options is not None and options.include_usage and not info.data.get("stream"):
+            raise ValueError("stream_options.include_usage is only allowed with stream: true (a whole "
+                             "answer carries its usage)")
+        return options
 
     @field_validator("n")
     @classmethod
