@@ -348,6 +348,7 @@ def test_cam_merges_by_the_current_querys_look_into_the_next_span(look, merged):
     ("d2o", {"merge": 5}, 0.3, "merge=5 must be a merge"),
     ("d2o", {"exempt_layers": ("a",)}, 0.3, "exempt_layers=\\('a',\\) must be layer indices"),
     ("d2o-official", {"exempt_layers": (99,)}, 0.3, "exempt_layers=99 is not a layer of a 4-layer model"),
+    ("full", {"allocation": "pyramid"}, 0.3, "full keeps every token and takes no options \\(given: allocation\\)"),
 ])
 def test_out_of_range_method_options_name_the_parameter(name, options, budget, parameter):
     model = tiny_model("llama")

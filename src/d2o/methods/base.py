@@ -235,6 +235,8 @@ def get_method(name: str, **options) -> Method:
     entry = REGISTRY.get(name)
     if entry is None:
         raise D2OError(f"unknown method {name!r}; choose one of: {', '.join(REGISTRY)}")
+    if options and entry.cls.keeps_everything:  # its fields are the base class's: none would act
+        raise D2OError(f"{name} keeps every token and takes no options (given: {', '.join(options)})")
     nested = {key: value for key, value in options.items() if "." in key}
     direct = {key: value for key, value in options.items() if "." not in key}
     if isinstance(direct.get("allocation"), str):
