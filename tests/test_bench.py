@@ -100,11 +100,13 @@ def test_fit_stops_at_max_batch_when_the_cap_holds_more(tiny):
 def test_fit_says_which_batches_stopped_at_max_batch(tmp_path):
     done = subprocess.run([sys.executable, "-c", "from d2o.cli import main; main()", "bench", "fit", "--kv-memory",
                            "1TB", "--shape", "tiny", "--prompt", "32", "--generate", "4", "--methods", "full,h2o",
-                           "--budget", "0.5", "--max-batch", "2", "--out", str(tmp_path)], capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                           "--budget", "0.5", "--min-tokens", "4", "--max-batch", "2", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr
     assert "full, h2o: the batch reached --max-batch 2 rows before the KV cap" in done.stderr
-    assert [row["batch"] for row in json.loads((tmp_path / "fit.json").read_text())["rows"]] == [2, 2]
+    written = json.loads((tmp_path / "fit.json").read_text())
+    assert [row["batch"] for row in written["rows"]] == [2, 2]
+    assert written["setting"]["min_tokens"] == 4 and "budget 0.5 (floor 4)" in (tmp_path / "fit.md").read_text()
 
 
 def test_a_method_decoding_alone_reports_its_own_peak_not_the_others_caches(tiny):

@@ -34,6 +34,8 @@ LONG_ENOUGH = "The quick brown fox jumps over the lazy dog near the river bank t
     (["--budget", "3t"], "d2o needs at least 5 (4 sinks + 1)"),
     (["--budget", "0.01", "--min-tokens", "3"], "d2o needs at least 5 (4 sinks + 1)"),
     (["--min-tokens", "99999999999999999999"], "min_tokens must be a whole number from 0 to 2**40"),
+    (["--budget", "64t", "--min-tokens", "0"], "min_tokens=0 (--min-tokens) is the floor of a ratio budget; "
+                                                "a token budget (64t) has none"),
     (["--method", "nope"], "unknown method 'nope'; choose one of:"),
     (["--option", "alpha"], "--option 'alpha': expected NAME=VALUE"),
     (["--option", "split=0:0"], "split=(0, 0) must be two non-negative parts"),
@@ -228,6 +230,13 @@ def test_an_eval_whose_results_file_is_a_folder_is_refused(tmp_path):
     (tmp_path / "summary.md").mkdir()
     with pytest.raises(D2OError, match=f"results file '{tmp_path / 'summary.md'}' is a folder"):
         check_config(EvalConfig(task="passkey", out=str(tmp_path)))
+
+
+def test_a_floor_no_budget_of_an_eval_has_is_refused(tmp_path):
+    with pytest.raises(D2OError, match=r"a token budget \(64t, 128t\) has none"):
+        check_config(EvalConfig(task="passkey", budgets=["64t", "128t"], min_tokens=32, out=str(tmp_path)))
+    _, budgets = check_config(EvalConfig(task="passkey", budgets=["64t", "0.2"], min_tokens=32, out=str(tmp_path)))
+    assert [budget.min_tokens for budget in budgets] == [32, 32] and budgets[1].floor(1000) == 32
 
 
 def test_an_eval_that_fails_its_checks_leaves_its_folder_free(monkeypatch, capsys, tmp_path, real_model):

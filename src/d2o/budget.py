@@ -81,3 +81,18 @@ class Budget:
 
     def __str__(self) -> str:
         return f"{self.ratio:g}" if self.ratio is not None else f"{self.tokens}t"
+
+    @property
+    def described(self) -> str:
+        """For a reader: the budget and, under a ratio, its floor (which moves short prompts' figures)."""
+        return f"{self} (floor {self.min_tokens})" if self.ratio is not None and self.min_tokens else str(self)
+
+
+def parse_budgets(values, min_tokens: int | None = None) -> list[Budget]:
+    """``Budget.parse`` of each of ``values``; a floor (``min_tokens``) given where every budget is a
+    token budget, which has none, is refused rather than ignored."""
+    budgets = [Budget.parse(value, min_tokens) for value in values]
+    if min_tokens is not None and budgets and all(budget.ratio is None for budget in budgets):
+        raise D2OError(f"min_tokens={min_tokens} (--min-tokens) is the floor of a ratio budget; a token budget "
+                       f"({', '.join(map(str, budgets))}) has none: each layer holds exactly its count")
+    return budgets

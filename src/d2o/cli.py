@@ -15,7 +15,7 @@ from typing import Optional
 import typer
 
 from d2o.bench import FIT_MAX_BATCH, check_fit_generate
-from d2o.budget import Budget
+from d2o.budget import Budget, parse_budgets
 from d2o.errors import D2OError
 from d2o.options import distinct, option_texts, parse_bytes, parse_options, split_list
 
@@ -54,7 +54,7 @@ def generate(
     if (prompt is None) == (prompt_file is None):
         raise D2OError("give exactly one of --prompt and --prompt-file")
     text = prompt if prompt is not None else read_text_file(prompt_file)
-    parsed_budget, options = Budget.parse(budget, min_tokens), parse_options(option)
+    parsed_budget, options = parse_budgets([budget], min_tokens)[0], parse_options(option)
     if max_new_tokens < 1:
         raise D2OError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     given = [name for name, value in (("--temperature", temperature), ("--top-p", top_p), ("--top-k", top_k),
@@ -294,13 +294,15 @@ def bench_decode(
     budget: str = typer.Option("0.2", help=BUDGET_HELP),
     lengths: str = typer.Option("1024,4096", help="Comma-separated prompt lengths in tokens."),
     batch: str = typer.Option("1", help="Comma-separated batch sizes."),
+    min_tokens: Optional[int] = typer.Option(None, help=FLOOR_HELP),
     steps: int = typer.Option(32, help="Decode steps timed per run."),
     repeats: int = typer.Option(1, help="Runs of --steps steps; the median step of all is reported."),
     model: str = MODEL, shape: Optional[str] = SHAPE, positions: Optional[int] = POSITIONS,
     dtype: str = DTYPE, device: Optional[str] = DEVICE, out: Path = OUT,
 ):
     """ms per decode step, tokens/s and KV bytes of each method against the full cache, per context and batch."""
-    names, parsed, sizes = distinct(split_list(methods), "methods"), Budget.parse(budget), split_list(lengths, int)
+    names, parsed, sizes = (distinct(split_list(methods), "methods"), parse_budgets([budget], min_tokens)[0],
+                            split_list(lengths, int))
     batches = split_list(batch, int)
     at_least_one(lengths=sizes, batch=batches, steps=steps, repeats=repeats)
     check_device(device)
@@ -313,9 +315,10 @@ def bench_decode(
 
     net, tokenizer = bench_model(model, shape, positions or max(sizes) + steps + 1, dtype, device, names, parsed)
     rows = run(net, tokenizer, names, sizes, batches, parsed, steps, repeats)
-    setting = dict(model=shape or model, dtype=dtype, budget=str(parsed), steps=steps, repeats=repeats)
-    emit(rows, f"Decoding: {shape or model}, {dtype}, budget {parsed}, median step of {repeats} x {steps}", "decode",
-         out, setting)
+    setting = dict(model=shape or model, dtype=dtype, budget=str(parsed), min_tokens=parsed.min_tokens, steps=steps,
+                   repeats=repeats)
+    emit(rows, f"Decoding: {shape or model}, {dtype}, budget {parsed.described}, median step of {repeats} x {steps}",
+         "decode", out, setting)
     plots.decode_plots(rows, out)
 
 
@@ -327,12 +330,14 @@ def bench_fit(
     methods: str = typer.Option("full,h2o,d2o", help=METHODS_HELP),
     budget: str = typer.Option("0.2", help=BUDGET_HELP),
     max_batch: int = typer.Option(FIT_MAX_BATCH, help="No batch grows past this many rows, whatever the cap holds."),
+    min_tokens: Optional[int] = typer.Option(None, help=FLOOR_HELP),
     model: str = MODEL, shape: Optional[str] = SHAPE, positions: Optional[int] = POSITIONS,
     dtype: str = DTYPE, device: Optional[str] = DEVICE, out: Path = OUT,
 ):
     """The largest batch each method fits under a KV memory cap, and the tokens/s it reaches there."""
 
-    cap, names, parsed = parse_bytes(kv_memory), distinct(split_list(methods), "methods"), Budget.parse(budget)
+    cap, names, parsed = (parse_bytes(kv_memory), distinct(split_list(methods), "methods"),
+                          parse_budgets([budget], min_tokens)[0])
     at_least_one(prompt=prompt, max_batch=max_batch)
     check_fit_generate(generate)
     check_device(device)
@@ -350,8 +355,9 @@ def bench_fit(
         typer.echo(f"{', '.join(stopped)}: the batch reached --max-batch {max_batch} rows before the KV cap "
                    f"(the cap may hold more)", err=True)
     setting = dict(model=shape or model, dtype=dtype, kv_memory=cap, prompt=prompt, generate=generate,
-                   budget=str(parsed), max_batch=max_batch)
-    emit(rows, f"Throughput under {kv_memory} of KV cache: {shape or model}, {prompt} + {generate} tokens", "fit",
+                   budget=str(parsed), min_tokens=parsed.min_tokens, max_batch=max_batch)
+    emit(rows, f"Throughput under {kv_memory} of KV cache: {shape or model}, {prompt} + {generate} tokens, budget "
+         f"{parsed.described}", "fit",
          out, setting)
     plots.bars(rows, "decode_tokens_per_s", "decode tokens/s", f"tokens/s under {kv_memory} of KV cache",
                out / "fit.png")
@@ -363,12 +369,13 @@ def bench_prefill(
     method: str = typer.Option("d2o"),
     budget: str = typer.Option("0.2", help=BUDGET_HELP),
     repeats: int = typer.Option(1, help="Alternating repeats per length (median reported)."),
+    min_tokens: Optional[int] = typer.Option(None, help=FLOOR_HELP),
     eager: bool = typer.Option(False, "--eager", help="Also time transformers' eager attention."),
     model: str = MODEL, shape: Optional[str] = SHAPE, positions: Optional[int] = POSITIONS,
     dtype: str = DTYPE, device: Optional[str] = DEVICE, out: Path = OUT,
 ):
     """Prefill time of METHOD over plain SDPA, and the peak memory of each against the S x S matrix."""
-    parsed, sizes = Budget.parse(budget), split_list(lengths, int)
+    parsed, sizes = parse_budgets([budget], min_tokens)[0], split_list(lengths, int)
     at_least_one(lengths=sizes, repeats=repeats)
     check_device(device)
     check_shape(model, shape, positions)
@@ -380,8 +387,10 @@ def bench_prefill(
 
     net, tokenizer = bench_model(model, shape, positions or max(sizes), dtype, device, (method,), parsed)
     rows = run(net, tokenizer, sizes, method, parsed, repeats, eager)
-    setting = dict(model=shape or model, dtype=dtype, method=method, budget=str(parsed), repeats=repeats)
-    emit(rows, f"Prefill: {shape or model}, {dtype}, {method} at {parsed} against SDPA", "prefill", out, setting)
+    setting = dict(model=shape or model, dtype=dtype, method=method, budget=str(parsed), min_tokens=parsed.min_tokens,
+                   repeats=repeats)
+    emit(rows, f"Prefill: {shape or model}, {dtype}, {method} at {parsed.described} against SDPA", "prefill", out,
+         setting)
     plots.prefill_plot(rows, method, out)
 
 
@@ -427,7 +436,7 @@ def bench_serve(
     """Requests/s, tokens/s, latency and time to first token of a server per method, same KV memory."""
 
     cap, names, parsed = (parse_bytes(kv_memory), distinct(split_list(methods), "methods"),
-                          Budget.parse(budget, min_tokens))
+                          parse_budgets([budget], min_tokens)[0])
     if min(clients, requests, prompt_tokens, max_tokens) < 1:
         raise D2OError("clients, requests, prompt-tokens and max-tokens must be at least 1")
     if not names:

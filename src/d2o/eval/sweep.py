@@ -11,7 +11,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from d2o.budget import MIN_TOKENS, Budget
+from d2o.budget import MIN_TOKENS, Budget, parse_budgets
 from d2o.errors import D2OError
 from d2o.eval.tasks import get_task
 from d2o.eval.tasks.base import Task
@@ -67,7 +67,7 @@ def check_config(config: EvalConfig) -> tuple[Task, list[Budget]]:
     for name in ("samples.jsonl", "summary.csv", "summary.md", "config.json"):  # written into it
         if (out / name).is_dir():
             raise D2OError(f"results file {str(out / name)!r} is a folder")
-    return task, [Budget.parse(b, config.min_tokens) for b in config.budgets]
+    return task, parse_budgets(config.budgets, config.min_tokens)
 
 
 def run_eval(config: EvalConfig, progress: bool = True) -> list[dict]:
