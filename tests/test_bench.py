@@ -136,7 +136,7 @@ def test_the_gpu_script_runs_on_the_cpu(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["fit", "--kv-memory", "1KB", "--shape", "tiny", "--prompt", "64", "--generate", "8"],
-     "a KV cap of 0 MiB holds not one 64+8-token sequence under full"),
+     "a KV cap of 1,000 bytes holds not one 64+8-token sequence under full (it needs 73,728)"),
     (["fit", "--kv-memory", "1MB", "--shape", "tiny", "--generate", "1"], "generate must be at least 2, got 1"),
     (["fit", "--kv-memory", "1MB", "--shape", "tiny", "--max-batch", "0"], "max_batch must be at least 1, got 0"),
     (["fit", "--kv-memory", "12XB", "--shape", "tiny"],

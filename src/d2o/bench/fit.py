@@ -135,8 +135,8 @@ def bench_fit(model, tokenizer, cap: int, prompt: int, generate: int, methods: l
         method.check_budget(budget)
         need = plan(model.config, method, budget, prompt, generate, dtype_bytes)
 
-        none_fit = D2OError(f"a KV cap of {cap / 2**20:.0f} MiB holds not one {prompt}+{generate}-token sequence "
-                            f"under {name} (it needs {need.peak_bytes / 2**20:.0f} MiB)")
+        none_fit = D2OError(f"a KV cap of {cap:,} bytes holds not one {prompt}+{generate}-token sequence "
+                            f"under {name} (it needs {need.peak_bytes:,})")
         if need.peak_bytes > cap:
             raise none_fit
         with torch.inference_mode():
