@@ -60,6 +60,13 @@ def test_missing_prompt_file(monkeypatch, capsys, tmp_path):
     assert code == 2 and "nope.txt' not found" in err
 
 
+def test_a_prompt_file_that_is_not_text_is_refused(monkeypatch, capsys, tmp_path):
+    path = tmp_path / "binary.bin"
+    path.write_bytes(b"abc\xff\xfe\x00def")
+    code, _, err = run_cli(monkeypatch, capsys, "generate", "--prompt-file", str(path))
+    assert code == 2 and err.strip() == f"error: text file '{path}' is not UTF-8 text (byte 0xff at offset 3)"
+
+
 def test_prompt_longer_than_the_model_allows(monkeypatch, capsys, tmp_path, real_model):
     path = tmp_path / "long.txt"
     path.write_text(essays()[:60000])

@@ -493,6 +493,9 @@ def test_a_device_map_loads_the_model_where_accelerate_puts_it(real_model):
         *real_model, QUESTION, max_new_tokens=4).texts
     with pytest.raises(D2OError, match="not both"):
         load_model("smollm2", device="cpu", device_map="auto")
+    with pytest.raises(D2OError, match="device_map 'foo' must be one of auto, balanced, balanced_low_0, "
+                                       "sequential or a device"):
+        load_model("smollm2", device_map="foo")
 
 
 def test_memory_sizes():

@@ -44,9 +44,14 @@ def check_text_file(path: str | Path) -> Path:
 
 
 def read_text_file(path: str | Path) -> str:
-    """A user-supplied text file, with a clear error when it is missing, a folder or empty."""
+    """A user-supplied text file, with a clear error when it is missing, a folder, not UTF-8 text
+    (a binary file's bytes would reach the model as replacement characters) or empty."""
     path = check_text_file(path)
-    text = path.read_text(encoding="utf-8", errors="replace").strip()
+    try:
+        text = path.read_text(encoding="utf-8").strip()
+    except UnicodeDecodeError as error:
+        raise D2OError(f"text file {str(path)!r} is not UTF-8 text (byte 0x{error.object[error.start]:02x} at "
+                       f"offset {error.start})") from None
     if not text:
         raise D2OError(f"text file {str(path)!r} is empty")
     return text

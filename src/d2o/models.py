@@ -49,6 +49,8 @@ EMBEDDED = {
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# accelerate's ways of spreading layers over devices (transformers' device_map strings)
+DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
 
 
 def load_model(
@@ -68,6 +70,12 @@ def load_model(
     """
     if device is not None and device_map is not None:
         raise D2OError("give a device or a device map, not both")
+    if isinstance(device_map, str) and device_map not in DEVICE_MAP_STRATEGIES:
+        try:
+            torch.device(device_map)  # a map of one device: every layer there
+        except RuntimeError:
+            raise D2OError(f"device_map {device_map!r} must be one of {', '.join(DEVICE_MAP_STRATEGIES)} or a "
+                           f"device (cpu, cuda:0)") from None
     check_backend(attention)  # before the weights load
     torch_dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
     if not isinstance(torch_dtype, torch.dtype):
