@@ -2,7 +2,7 @@
 # NIAH at two more seeds (3 and 4: haystacks no setting was chosen on), both protocols, for the full
 # cache, the strongest baselines, D2O and d2o-plus with its merge ablations: is what seed 0 shows
 # about merging a property of the method or of one seed? Each command resumes.
-# Usage: bash docs/results/seeds/run.sh [SEED...]   (default: 3 4; about 30 min per seed on one thread)
+# Usage: bash docs/results/seeds/run.sh [SEED...]   (default: 3 4; about 12 min per seed on one thread)
 set -euo pipefail
 D2O=${D2O:-.venv/bin/d2o}
 OUT=${OUT:-docs/results/seeds}

@@ -15,7 +15,7 @@ from d2o.options import whole
 @register
 @dataclass
 class RoCo(HeavyRecent):
-    """Robust cache omission as D2O-SPEC section 8 states it: a token's score is the mean
+    """Robust cache omission as its paper states it (Ren and Zhu, 2024): a token's score is the mean
     attention it received from the last ``window`` queries that could see it, summed over the
     query heads of its KV head; among equal means, the lower standard deviation is evicted first
     (a robustly unimportant token). Plus 4 sinks and a recent window of 10% of the budget (split

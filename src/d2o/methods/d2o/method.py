@@ -51,7 +51,7 @@ class OfficialState(MergeState):
 
 @dataclass
 class D2OOfficial(D2O):
-    """The released code's choices (``parity="official"``, see D2O-SPEC section 5b), to reproduce
+    """The released code's choices (``parity="official"``, verified step by step against it), to reproduce
     published numbers: compression at the first decode step (its query's attention included);
     layer ratios clamp(L * rho * softmax(-F), 0.01, 1) over all layers, exempt ones included (their
     share is lost); heavy and recent parts floor((S + 1) * part) separately, split 1:1; layers 0, 1
