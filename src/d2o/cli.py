@@ -24,6 +24,7 @@ bench_app = typer.Typer(no_args_is_help=True, help="Speed and memory, measured s
 app.add_typer(bench_app, name="bench")
 
 BUDGET_HELP = "KV budget: a ratio of the prompt (0.2) or tokens per layer (128t)."
+MODEL_HELP = "'smollm2' (default), 'gemma3-270m' (embedded models) or a local model folder."
 FLOOR_HELP = "Under a ratio budget, no layer is brought below min(tokens seen, N) (default 128)."
 
 
@@ -31,16 +32,16 @@ FLOOR_HELP = "Under a ratio budget, no layer is brought below min(tokens seen, N
 def generate(
     prompt: Optional[str] = typer.Option(None, "--prompt", help="The prompt text."),
     prompt_file: Optional[Path] = typer.Option(None, "--prompt-file", help="Read the prompt from a file."),
-    model: str = typer.Option("smollm2", help="'smollm2' (embedded) or a local model folder."),
+    model: str = typer.Option("smollm2", help=MODEL_HELP),
     method: str = typer.Option("d2o", help="Compression method (see `d2o methods`)."),
     budget: str = typer.Option("0.2", help=BUDGET_HELP),
     min_tokens: Optional[int] = typer.Option(None, help=FLOOR_HELP),
     max_new_tokens: int = typer.Option(64, help="Tokens to generate."),
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template."),
     sample: bool = typer.Option(False, "--sample", help="Sample instead of greedy decoding."),
-    temperature: Optional[float] = typer.Option(None, help="With --sample: the softmax temperature [default: 1.0]."),
-    top_p: Optional[float] = typer.Option(None, help="With --sample: the nucleus [default: 1.0]."),
-    top_k: Optional[int] = typer.Option(None, help="With --sample: draw among the k likeliest [default: 0, all]."),
+    temperature: Optional[float] = typer.Option(None, help="With --sample: the softmax temperature \\[default: 1.0]."),
+    top_p: Optional[float] = typer.Option(None, help="With --sample: the nucleus \\[default: 1.0]."),
+    top_k: Optional[int] = typer.Option(None, help="With --sample: draw among the k likeliest \\[default: 0, all]."),
     seed: Optional[int] = typer.Option(None, help="With --sample: the seed of the draws."),
     attention: str = typer.Option("sdpa", help="Kernel for the attention output: sdpa or eager."),
     dtype: str = typer.Option("float32", help="float32, float16 or bfloat16."),
@@ -88,7 +89,7 @@ def generate(
 
 @app.command()
 def serve(
-    model: str = typer.Option("smollm2", help="'smollm2' (embedded) or a local model folder."),
+    model: str = typer.Option("smollm2", help=MODEL_HELP),
     method: str = typer.Option("d2o", help="The method of a request that names none (kv_method)."),
     budget: str = typer.Option("0.2", help="The budget of a request that names none (kv_budget). " + BUDGET_HELP),
     min_tokens: Optional[int] = typer.Option(None, help=FLOOR_HELP),
@@ -148,7 +149,8 @@ def methods():
 
 
 @app.command()
-def demo(model: str = typer.Option("smollm2"), length: int = typer.Option(1500), seed: int = typer.Option(0)):
+def demo(model: str = typer.Option("smollm2", help=MODEL_HELP), length: int = typer.Option(1500),
+         seed: int = typer.Option(0)):
     """Passkey retrieval at ~1,500 tokens: the full cache against d2o and d2o-plus at 20% and 50%."""
     from d2o.demo import run_demo
 
@@ -159,7 +161,7 @@ def demo(model: str = typer.Option("smollm2"), length: int = typer.Option(1500),
 @app.command("eval")
 def evaluate(
     task: str = typer.Option(..., help="Task (see `d2o tasks`)."),
-    model: str = typer.Option("smollm2"),
+    model: str = typer.Option("smollm2", help=MODEL_HELP),
     methods: str = typer.Option("full,h2o,snapkv,pyramidkv,streamingllm,d2o", help="Comma-separated methods."),
     budgets: str = typer.Option("0.1,0.2,0.5", help="Comma-separated budgets (ratios, or 128t)."),
     min_tokens: Optional[int] = typer.Option(None, help=FLOOR_HELP),
@@ -253,7 +255,7 @@ def check_device(device: str | None) -> None:
         raise D2OError(f"device {device!r}: cpu or cuda (cuda:N for another GPU)")
 
 
-MODEL = typer.Option("smollm2", help="'smollm2' (embedded) or a local model folder.")
+MODEL = typer.Option("smollm2", help=MODEL_HELP)
 SHAPE = typer.Option(None, help="Random weights of a shape instead of --model: smollm2, llama-3-8b, tiny.")
 POSITIONS = typer.Option(None, help="With --shape: the model's positions (default: as many as the run needs).")
 DEVICE = typer.Option(None, help="cpu or cuda (default: cpu).")
@@ -422,7 +424,7 @@ def bench_throughput(
 
 @bench_app.command("serve")
 def bench_serve(
-    model: str = typer.Option("smollm2"),
+    model: str = typer.Option("smollm2", help=MODEL_HELP),
     methods: str = typer.Option("full,d2o", help="Comma-separated methods, each served under the same cap."),
     budget: str = typer.Option("0.2", help=BUDGET_HELP),
     min_tokens: Optional[int] = typer.Option(None, help=FLOOR_HELP),
