@@ -158,6 +158,69 @@ def test_a_chunked_prefill_under_hold_compresses_like_one_prefill(method):
         assert (a.token_index.sort(-1).values == b.token_index.sort(-1).values).all()
 
 
+def test_the_official_preset_compresses_a_chunked_prefill_at_the_first_decode_step():
+    """A prefill in chunks under hold() is one prefill: d2o-official compresses at the first decode
+    step (that step's query included) with F_l from the whole prompt, as after a prefill in one pass.
+    Before, every chunk counted as a pass: it compressed when the block ended, F_l from chunk one."""
+    model = tiny_model("llama", dtype=torch.float64)
+    ids, step = random_ids(180), random_ids(1, seed=5)
+    whole = make_cache(model, "d2o-official", 0.3)
+    forward(model, ids, whole)
+    forward(model, step, whole)
+    chunked = make_cache(model, "d2o-official", 0.3)
+    with chunked.hold():
+        for start, end in [(0, 60), (60, 120), (120, 180)]:
+            forward(model, ids[:, start:end], chunked)
+    assert lengths(chunked) == [180] * 4  # not compressed before its first decode step
+    forward(model, step, chunked)
+    assert lengths(chunked) == lengths(whole) and lengths(whole)[2] < 100
+    for a, b in zip(whole.layers, chunked.layers):
+        assert (a.token_index.sort(-1).values == b.token_index.sort(-1).values).all()
+
+
+@pytest.mark.parametrize("method", ["snapkv", "d2o-official", "d2o-plus", "h2o"])
+def test_a_reset_cache_compresses_the_next_sequence_as_a_new_cache(method):
+    """The first sequence's allocation stops the layers that never evict again from observing
+    (all of them for SnapKV); reset() must start them again (a reused cache raised KeyError)."""
+    model = tiny_model("llama")
+    first, second, step = random_ids(150, seed=1), random_ids(140, seed=2), random_ids(1, seed=3)
+    fresh = make_cache(model, method, 0.3)
+    reused = make_cache(model, method, 0.3)
+    forward(model, first, reused)
+    forward(model, step, reused)
+    reused.reset()
+    for cache in (fresh, reused):
+        forward(model, second, cache)
+        forward(model, step, cache)
+    assert lengths(reused) == lengths(fresh)
+    for a, b in zip(fresh.layers, reused.layers):
+        assert (a.token_index.sort(-1).values == b.token_index.sort(-1).values).all()
+
+
+def test_a_short_prompt_under_a_token_budget_gives_every_layer_what_the_method_needs():
+    """3 tokens under 6t with PyramidKV's falling shares: the layers got 10, 7, 4 and 3 (the
+    prompt's length as the only lower bound), below d2o's 5 (4 sinks + 1), so the last layers
+    dropped every new token, then a sink."""
+    model = tiny_model("llama")
+    cache = make_cache(model, "d2o-pyramid", "6t")
+    logits = forward(model, random_ids(3), cache)
+    budgets = [int(layer.budget) for layer in cache.layers]
+    assert sum(budgets) == 24 and min(budgets) >= 5
+    decode(model, cache, logits, 12)
+    for layer in cache.layers:
+        assert [t for t in range(4) if t in kept_tokens(layer, 0)[0]] == [0, 1, 2, 3]  # the sinks
+        assert 14 in kept_tokens(layer, 0)[0]  # the newest token
+
+
+def test_exempting_every_compressed_layer_is_refused():
+    model = tiny_model("llama")
+    for method, budget in (("d2o", 0.3), ("h2o", "100t")):
+        cache = make_cache(model, method, budget, exempt_layers=(0, 1, 2, 3))
+        with pytest.raises(d2o.D2OError, match=r"exempt_layers=\(0, 1, 2, 3\) exempts every layer a budget "
+                                               r"compresses \(0, 1, 2, 3\): nothing would be compressed"):
+            forward(model, random_ids(150), cache)
+
+
 def test_prompts_within_an_absolute_budget_are_not_compressed_until_they_outgrow_it():
     model = tiny_model("llama")
     cache = make_cache(model, "h2o", "64t")

@@ -78,25 +78,46 @@ def test_a_question_after_compression_sees_the_right_tokens_in_both_kinds_of_lay
     assert [int(cache.layers[i].n_kept) for i in GLOBAL] == [int(cache.layers[i].budget) for i in GLOBAL]
 
 
+def most_held(model, method, budget, prompt: int, new: int) -> int:
+    """The most bytes the cache holds while a prompt is prefilled and ``new`` tokens generated."""
+    from d2o.engine.cache import CompressedCache
+
+    cache = CompressedCache(model, method, budget)
+    most = 0
+    with torch.inference_mode():
+        logits = model(input_ids=random_ids(prompt), cache=cache).logits
+        for _ in range(new - 1):  # the last token generated is never fed
+            logits = model(input_ids=logits[:, -1:].argmax(-1), cache=cache).logits
+            most = max(most, cache.nbytes)
+    return most
+
+
 @pytest.mark.parametrize("name", ["h2o", "full"])
 def test_the_memory_plan_counts_sliding_layers_at_their_window(name):
     from d2o import get_method
-    from d2o.engine.cache import CompressedCache
     from d2o.runtime.memory import plan
 
     model = tiny_model("gemma3")
     method, budget = get_method(name), Budget(ratio=0.3, min_tokens=0)
     need = plan(model.config, method, budget, 100, 20)
-    cache = CompressedCache(model, method, budget)
-    most = 0
-    with torch.inference_mode():
-        logits = model(input_ids=random_ids(100), cache=cache).logits
-        for _ in range(19):
-            logits = model(input_ids=logits[:, -1:].argmax(-1), cache=cache).logits
-            most = max(most, cache.nbytes)
     slot = 2 * 2 * 16 * 4
     assert need.prefill_bytes == 4 * 100 * slot
+    most = most_held(model, method, budget, 100, 20)
     assert most == need.held_bytes - (slot * 2 if name == "full" else 0)  # full never feeds its last token
+
+
+@pytest.mark.parametrize("exempt", [(0,), (1,), (0, 3)])
+def test_the_memory_plan_reads_exempt_layers_as_the_allocation_does(exempt):
+    """Model layer indices: a sliding layer (0) exempts nothing, a global one (1, 3) keeps its whole
+    sequence. The plan read them as positions among the global layers (0 meant layer 1)."""
+    from d2o import get_method
+    from d2o.runtime.memory import plan
+
+    model = tiny_model("gemma3")
+    method, budget = get_method("h2o", exempt_layers=exempt), Budget(ratio=0.7, min_tokens=0)
+    held = plan(model.config, method, budget, 100, 20).held_bytes
+    exempt_global = len(set(exempt) & {1, 3})  # planned at the whole sequence, whose last token is never fed
+    assert most_held(model, method, budget, 100, 20) == held - exempt_global * 2 * 2 * 16 * 4
 
 
 def test_a_model_sliding_in_every_layer_keeps_its_window_and_refuses_compression():

@@ -498,6 +498,22 @@ def test_a_device_map_loads_the_model_where_accelerate_puts_it(real_model):
         load_model("smollm2", device_map="foo")
 
 
+
+def test_a_model_spread_over_devices_is_refused(monkeypatch, real_model):
+    """The cache stacks its layers' budgets, statistics and merges: one device, or a clear error
+    (not a device mismatch deep in torch at the end of the first prefill)."""
+    from d2o import models
+
+    def spread(*args, **kwargs):
+        model = real_model[0]
+        monkeypatch.setattr(model, "hf_device_map", {"model.layers.0": 0, "model.layers.29": "cpu"}, raising=False)
+        return model
+
+    monkeypatch.setattr(models, "_weights", spread)
+    with pytest.raises(D2OError, match="device_map='auto' spread the model over 0, cpu; d2o's cache works on one"):
+        load_model("smollm2", device_map="auto")
+
+
 def test_memory_sizes():
     assert [parse_bytes(s) for s in ("512MB", "2GiB", "1.5GB", "4096", " 64 kib ")] == [
         512 * 10**6, 2 * 2**30, 1_500_000_000, 4096, 64 * 1024]

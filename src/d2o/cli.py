@@ -101,7 +101,7 @@ def serve(
     replicas: int = typer.Option(0, help="N > 0: N replicas behind Ray Serve's proxy (pip install 'd2o\\[ray]')."),
     dtype: str = typer.Option("float32"),
     attention: str = typer.Option("sdpa"),
-    device_map: Optional[str] = typer.Option(None, help="'auto': spread the layers over the GPUs (accelerate)."),
+    device_map: Optional[str] = typer.Option(None, help="accelerate's placement (auto, cuda:1): one device."),
 ):
     """An OpenAI-compatible server: continuous batching, admission by KV memory (see README, Serving)."""
     from d2o.serve.config import ServeConfig

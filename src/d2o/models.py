@@ -88,6 +88,10 @@ def load_model(
     # use_kernels=False: transformers >= 5.25 swaps layers for Hub kernels by default, fetched online;
     # d2o runs offline and its reference is the stock model's own PyTorch layers.
     model = _weights(folder, dtype=torch_dtype, attn_implementation="sdpa", device_map=device_map, use_kernels=False)
+    spread = sorted({str(place) for place in (getattr(model, "hf_device_map", None) or {}).values()})
+    if len(spread) > 1:  # the cache compresses its layers together (budgets, statistics, merges): one device
+        raise D2OError(f"device_map={device_map!r} spread the model over {', '.join(spread)}; d2o's cache works on "
+                       f"one device: give one (device_map='cuda:0') or a model that fits on one")
     if device is not None:
         model.to(device)
     model.eval()

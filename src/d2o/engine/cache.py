@@ -97,9 +97,8 @@ class CompressedCache(Cache):
         windows = sliding_windows(config)
         self.compressible = compressible_layers(windows, self.budget)
         super().__init__(layers=[CompressedLayer(self, i, window) for i, window in enumerate(windows)])
-        if self.budget.unlimited and not observe:  # nothing will ever be evicted: no statistics
-            for layer in self.layers:
-                layer.observing = False
+        self._observe = observe
+        self._start_observing()
         self.forwards = 0
         self.allocated = False
         self._holds = 0
@@ -182,8 +181,15 @@ class CompressedCache(Cache):
         self.forwards = max(self.forwards, *(other.forwards for other in others))
 
     # -- lifecycle ----------------------------------------------------------------------------
+    def _start_observing(self) -> None:
+        """Before a sequence: every full-attention layer collects statistics, none where nothing
+        will ever be evicted (unless ``observe``); allocation then stops the layers that never evict."""
+        for layer in self.layers:
+            layer.observing = layer.window is None and (not self.budget.unlimited or bool(self._observe))
+
     def reset(self) -> None:
         super().reset()
+        self._start_observing()  # the last sequence's allocation stopped some layers observing
         self.forwards = 0
         self.allocated = False
         self._last_hidden = self._last_logits = None
@@ -197,6 +203,7 @@ class CompressedCache(Cache):
         finally:
             self._holds -= 1
         if not self._holds:
+            self.forwards += 1  # the block was one pass (a prefill in chunks is one prefill)
             for layer in self.layers:
                 layer.held_window = None
             # Compress in the mode the passes ran in: inference tensors are written in place only in it.
@@ -229,9 +236,10 @@ class CompressedCache(Cache):
         self._last_logits = (hidden.clone(), logits.clone())
 
     def end_of_forward(self) -> None:
-        """Called by the decoder's forward hook after every forward pass."""
-        self.forwards += 1
+        """Called by the decoder's forward hook after every forward pass; passes inside ``hold()``
+        count as one, when the block ends."""
         if not self._holds:
+            self.forwards += 1
             self.compress()
 
     # -- compression --------------------------------------------------------------------------

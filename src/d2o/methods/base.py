@@ -128,6 +128,15 @@ class Method:
             check(-n_layers <= index < n_layers, "exempt_layers", index, f"is not a layer of a {n_layers}-layer model")
         return {index % n_layers for index in self.exempt_layers}
 
+    def exempt_among(self, n_layers: int, compressible: list[int]) -> list[int]:
+        """The exempt layers (model indices) of those a budget shares, ``compressible``; refused
+        when they are all of them: nothing would be compressed."""
+        exempt = sorted(self.exempt_of(n_layers) & set(compressible))
+        if compressible and len(exempt) == len(compressible):
+            raise D2OError(f"exempt_layers={self.exempt_layers!r} exempts every layer a budget compresses "
+                           f"({', '.join(map(str, compressible))}): nothing would be compressed")
+        return exempt
+
     @property
     def reserved(self) -> int:
         """Tokens every layer sets aside before the rest is shared by ``allocation`` (a window)."""
@@ -137,7 +146,7 @@ class Method:
         """Per-row, per-layer budgets (B, L) summing to ``totals`` (B,) over the layers a budget
         shares (every layer but sliding-window ones); the others are UNLIMITED."""
         n_layers = cache.n_layers
-        exempt = sorted(self.exempt_of(n_layers) & set(cache.compressible))
+        exempt = self.exempt_among(n_layers, cache.compressible)
         active = [i for i in cache.compressible if i not in exempt]
         prompt = cache.layers[0].real_seen
         weights = self.allocation.weights(cache, active).double()  # (B, len(active))
@@ -146,7 +155,10 @@ class Method:
         for row, (length, total) in enumerate(zip(prompt.tolist(), totals.tolist())):
             total -= len(exempt) * length  # exempt layers hold the whole prompt
             if total >= len(active) * length:  # the budget covers the prompt: nothing to evict yet
-                budgets[row, active] = torch.tensor(conserve(weights[row], total, length, None), dtype=torch.long)
+                # but every layer gets what the method needs once it must evict (a short prompt's
+                # layers would otherwise start below it and drop each new token, or a sink)
+                lower = min(max(length, self.min_layer_budget), total // len(active))
+                budgets[row, active] = torch.tensor(conserve(weights[row], total, lower, None), dtype=torch.long)
                 continue
             lower = max(self.min_layer_budget, self.allocation.lower(length), cache.budget.floor(length))
             if total < len(active) * lower:

@@ -50,7 +50,7 @@ def plan(config, method: Method, budget: Budget, prompt_tokens: int, new_tokens:
     per_slot = slot_bytes(config, dtype_bytes, method)
     length = prompt_tokens + new_tokens
     compressible = compressible_layers(windows, budget)
-    exempt = len({compressible[i % len(compressible)] for i in method.exempt_layers}) if compressible else 0
+    exempt = len(method.exempt_among(len(windows), compressible))
     active = len(compressible) - exempt
     if method.keeps_everything or budget.unlimited or not method.conserves_budget:
         held = len(compressible) * length

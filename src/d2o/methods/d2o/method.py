@@ -81,17 +81,17 @@ class D2OOfficial(D2O):
 
     def allocate(self, cache, totals: torch.Tensor) -> torch.Tensor:
         n_layers = len(cache.compressible)  # the layers a budget shares (not sliding-window ones)
-        exempt = {cache.compressible[position] for position in self.exempt_of(n_layers)}
+        exempt = set(self.exempt_among(cache.n_layers, cache.compressible))
         density = torch.stack([cache.layers[i].state.density for i in cache.compressible], dim=-1)  # (B, L)
         seen = cache.layers[0].real_seen  # the prompt and the first generated token: S + 1
         rho = cache.budget.ratio if cache.budget.ratio is not None else cache.budget.tokens / (seen - 1).clamp_min(1)
-        rho = torch.as_tensor(rho, dtype=torch.float64)
+        rho = torch.as_tensor(rho, dtype=torch.float64, device=seen.device)
         ratios = (n_layers * rho[..., None] * torch.softmax(-density.double(), -1)).clamp(0.01, 1.0)
         scored, recent = self.split
         heavy = ((seen[:, None] * ratios * scored / (scored + recent)).floor()).long()
         recent_part = ((seen[:, None] * ratios * recent / (scored + recent)).floor()).long()
         budgets = torch.full((len(seen), cache.n_layers), UNLIMITED, dtype=torch.long)
-        budgets[:, cache.compressible] = (heavy + recent_part).clamp_min(self.min_layer_budget)
+        budgets[:, cache.compressible] = (heavy + recent_part).clamp_min(self.min_layer_budget).cpu()
         for position, i in enumerate(cache.compressible):
             cache.layers[i].state.recent = recent_part[:, position]
             if i in exempt:
