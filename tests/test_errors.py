@@ -246,6 +246,34 @@ def test_a_floor_no_budget_of_an_eval_has_is_refused(tmp_path):
     assert [budget.min_tokens for budget in budgets] == [32, 32] and budgets[1].floor(1000) == 32
 
 
+def test_one_budget_written_two_ways_is_refused(tmp_path):
+    """0.5 and 0.50 are one budget: both runs would land under one key and count twice."""
+    with pytest.raises(D2OError, match="0.5 given twice in budgets"):
+        check_config(EvalConfig(task="passkey", budgets=["0.5", "0.50"], out=str(tmp_path)))
+
+
+def test_the_context_protocol_refuses_a_method_that_compresses_after_the_question(tmp_path):
+    """d2o-official first compresses after the first decode step: under --protocol context that is
+    the question's pass, so its compression would see the question."""
+    from d2o.eval.sweep import run_eval
+
+    with pytest.raises(D2OError, match="d2o-official first compress\\(es\\) after the first decode step"):
+        run_eval(EvalConfig(task="passkey", methods=("full", "d2o-official"), protocol="context",
+                            out=str(tmp_path / "out")))
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_sample_with_nothing_before_its_question_is_refused_under_the_context_protocol():
+    """gsm8k with shots=0: the context was empty and the model failed on a 0-token prefill."""
+    from d2o.eval.tasks import get_task
+    from d2o.eval.tasks.base import Sample
+
+    task = get_task("passkey")
+    sample = Sample("s0", prompt="What is 2 + 2?", gold="4", max_new_tokens=4, question="What is 2 + 2?")
+    with pytest.raises(D2OError, match="sample s0 has no context before its question to compress"):
+        task.encode(sample, tokenizer=None, protocol="context")
+
+
 def test_an_eval_that_fails_its_checks_leaves_its_folder_free(monkeypatch, capsys, tmp_path, real_model):
     """The configuration is recorded only once every sample is known to run: a rerun with the
     option corrected resumes into the same folder."""

@@ -67,7 +67,9 @@ def check_config(config: EvalConfig) -> tuple[Task, list[Budget]]:
     for name in ("samples.jsonl", "summary.csv", "summary.md", "config.json"):  # written into it
         if (out / name).is_dir():
             raise D2OError(f"results file {str(out / name)!r} is a folder")
-    return task, parse_budgets(config.budgets, config.min_tokens)
+    budgets = parse_budgets(config.budgets, config.min_tokens)
+    distinct(tuple(map(str, budgets)), "budgets")  # 0.5 and 0.50 are one budget: its rows would count twice
+    return task, budgets
 
 
 def run_eval(config: EvalConfig, progress: bool = True) -> list[dict]:
@@ -82,6 +84,11 @@ def run_eval(config: EvalConfig, progress: bool = True) -> list[dict]:
 
     task, budgets = check_config(config)
     methods = {name: get_method(name, **config.method_options.get(name, {})) for name in config.methods}
+    late = [name for name, method in methods.items() if method.compress_after_forward > 1]
+    if config.protocol == "context" and late:  # its first compression would come after the question's pass
+        raise D2OError(f"{', '.join(late)} first compress(es) after the first decode step, which under --protocol "
+                       f"context is the question's pass: compression would see the question; run it under "
+                       f"--protocol prompt")
     for method in methods.values():
         for budget in budgets:
             method.check_budget(budget)

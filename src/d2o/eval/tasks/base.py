@@ -58,6 +58,9 @@ class Task:
             raise D2OError(f"task {self.name!r}: sample {sample.id} has no question to keep out of compression: "
                            f"--protocol context does not apply")
         context = sample.prompt[: len(sample.prompt) - len(sample.question)]
+        if not context.strip():
+            raise D2OError(f"task {self.name!r}: sample {sample.id} has no context before its question to compress: "
+                           f"--protocol context does not apply")
         return (tokenizer(context, add_special_tokens=sample.special_tokens).input_ids,
                 tokenizer(sample.question, add_special_tokens=False).input_ids)
 
