@@ -138,3 +138,13 @@ def test_the_eval_command(real_model, tmp_path, monkeypatch, capsys):
     assert run("--task", "longbench", "--task-option", f"data_dir={tmp_path / 'missing'}",
                "--out", str(tmp_path / "bad")) == 2
     assert "LongBench data folder" in capsys.readouterr().err
+
+
+def test_the_perplexity_curve_is_drawn_at_the_end_of_each_window():
+    """1,000 tokens, 999 predicted, windows of 400: 401, 801 and the short last one at 1,000 (the
+    points were spaced by 1,000 // 3 = 333)."""
+    from d2o.eval.plots import window_ends
+
+    assert window_ends(3, 400, 1000) == [401, 801, 1000]
+    assert window_ends(2, 64, 129) == [65, 129]
+

@@ -19,7 +19,7 @@ def write_plots(out: Path, lines: list[dict], rows: list[dict], task) -> list[Pa
     if task.name == "niah":
         written += niah_heatmaps(out, lines)
     if task.name == "perplexity":
-        written += perplexity_curves(out, lines)
+        written += perplexity_curves(out, lines, task.window)
     written += layer_budgets(out, lines)
     return [path for path in written if path is not None]
 
@@ -99,17 +99,17 @@ def layer_budgets(out: Path, lines: list[dict]) -> list[Path]:
     return [_save(figure, out / "d2o_layer_budgets.png")]
 
 
-def perplexity_curves(out: Path, lines: list[dict]) -> list[Path]:
+def perplexity_curves(out: Path, lines: list[dict], window: int) -> list[Path]:
+    """Per budget, each method's perplexity per ``window`` of predicted tokens, at the window's end."""
     paths = []
     full = next((line for line in lines if line["method"] == "full"), None)
     for budget in sorted({line["budget"] for line in lines if line["method"] != "full"}, key=_budget_key):
         figure, axis = plt.subplots(figsize=(7, 4))
         chosen = [line for line in lines if line["budget"] == budget and line["method"] != "full"]
         for line in ([full] if full else []) + chosen:
-            window = line["meta"]["tokens"] // max(len(line["curve"]), 1)
-            xs = [(i + 1) * window for i in range(len(line["curve"]))]
-            axis.plot(xs, line["curve"], label=line["method"], **({"color": "black", "linestyle": "--"}
-                                                                  if line["method"] == "full" else {}))
+            style = {"color": "black", "linestyle": "--"} if line["method"] == "full" else {}
+            axis.plot(window_ends(len(line["curve"]), window, line["meta"]["tokens"]), line["curve"],
+                      label=line["method"], **style)
         axis.set_xlabel("position (tokens)")
         axis.set_ylabel("perplexity of the window")
         axis.set_yscale("log")
@@ -118,6 +118,12 @@ def perplexity_curves(out: Path, lines: list[dict]) -> list[Path]:
         axis.legend(fontsize=8)
         paths.append(_save(figure, out / f"perplexity_curve_{budget}.png"))
     return paths
+
+
+def window_ends(points: int, window: int, tokens: int) -> list[int]:
+    """The tokens read when each of ``points`` windows of ``window`` predicted tokens ends (every
+    token after the first of ``tokens`` is predicted; the last window may be short)."""
+    return [min((i + 1) * window, tokens - 1) + 1 for i in range(points)]
 
 
 def _save(figure, path: Path) -> Path:
