@@ -59,17 +59,18 @@ def answers(model, tokenizer, ids: list[int], runs: list[tuple[str, Budget]], ma
     first = Batch.prefill(model, shared.cache, [ids], [Sequence(tokenizer, max_new, stop_ids=stops)])
     out = {}
     for name, budget in runs:
+        sequence = Sequence(tokenizer, max_new, stop_ids=stops)
         try:
             get_method(name).check_budget(budget)
-        except D2OError:  # a floor below the method's own minimum is refused: never the full cache's answer
+            if name in shareable:
+                batch = Batch(model, shared.fork(shareable.index(name), budget), [sequence], first.logits,
+                              first.positions)
+            else:
+                batch = Batch.prefill(model, CompressedCache(model, get_method(name), budget), [ids], [sequence])
+            batch.run()
+        except D2OError:  # a floor the method cannot work under is refused: never the full cache's answer
             out[(name, budget.min_tokens)] = None
             continue
-        sequence = Sequence(tokenizer, max_new, stop_ids=stops)
-        if name in shareable:
-            batch = Batch(model, shared.fork(shareable.index(name), budget), [sequence], first.logits, first.positions)
-        else:
-            batch = Batch.prefill(model, CompressedCache(model, get_method(name), budget), [ids], [sequence])
-        batch.run()
         out[(name, budget.min_tokens)] = sequence.tokens
     return out
 

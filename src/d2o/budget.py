@@ -9,7 +9,7 @@ from d2o.options import whole
 
 UNLIMITED = -1  # a layer budget that never evicts (an exempt layer, or a budget covering everything)
 # No layer of a ratio budget is brought below min(tokens seen, MIN_TOKENS): short prompts keep
-# their answers. Chosen by measurement (docs/results/README.md, "The floor").
+# their answers. Chosen by measurement (docs/results/floor.md, benchmarks/floor.py).
 MIN_TOKENS = 128
 MOST_TOKENS = 2**40  # above any model's positions; a larger count would overflow the totals' int64 arithmetic
 
