@@ -36,7 +36,7 @@ class Outcome:
     prediction: str | None
     scores: dict[str, float]
     report: CacheReport
-    seconds: float
+    seconds: float  # prefill, compression, question and answer, as if run alone (a shared prefill's time included)
     prefill_seconds: float | None
     extra: dict = field(default_factory=dict)  # task-specific fields of the result line
 
@@ -70,6 +70,7 @@ class Runner:
                 cache = prefill.fork(shareable.index(run.method), run.budget)
                 batch = Batch(self.model, cache, [self._sequence(sample)], shared.logits, shared.positions)
                 prefill_seconds = shared.sequences[0].prefill_seconds
+                start -= prefill_seconds  # done once for all: counted in each row, as a run alone has it
             else:
                 batch = self._prefill(self.cache(run.method, run.budget), ids, sample)
                 prefill_seconds = batch.sequences[0].prefill_seconds
