@@ -3,6 +3,7 @@
 # in OUT/{decode,fit,prefill,prefill-long}.md with its JSON and plots. Ratios are measured side by
 # side in one process; run it on an otherwise idle machine.
 set -euo pipefail
+export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1  # one thread per process, as every committed run
 OUT=${1:-docs/benchmarks}
 D2O=${D2O:-.venv/bin/d2o}
 $D2O bench decode --methods full,h2o,snapkv,streamingllm,d2o,d2o-plus --lengths 1024,4096,8000 --batch 1,8 \

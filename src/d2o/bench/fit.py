@@ -82,6 +82,8 @@ def _run_packed(model, method, budget, need, cap: int, max_batch: int, per_slot:
         with cache.hold():  # compressed when the block ends: its whole prompt is measured first
             one = Batch.prefill(model, cache, [prompt_of(decoding.size if decoding else 0)], [Sequence(None, generate)])
             whole = cache.nbytes
+        if cache.layers[0].keys.is_cuda:  # the compression at the block's end is queued, not done
+            torch.cuda.synchronize(cache.layers[0].keys.device)
         seconds = perf_counter() - start
         widths = slot_widths(cache)
         if decoding:
