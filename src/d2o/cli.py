@@ -359,8 +359,7 @@ def bench_fit(
     setting = dict(model=shape or model, dtype=dtype, kv_memory=cap, prompt=prompt, generate=generate,
                    budget=str(parsed), min_tokens=parsed.min_tokens, max_batch=max_batch)
     emit(rows, f"Throughput under {kv_memory} of KV cache: {shape or model}, {prompt} + {generate} tokens, budget "
-         f"{parsed.described}", "fit",
-         out, setting)
+         f"{parsed.described}", "fit", out, setting)
     plots.bars(rows, "decode_tokens_per_s", "decode tokens/s", f"tokens/s under {kv_memory} of KV cache",
                out / "fit.png")
 

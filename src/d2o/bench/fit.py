@@ -27,7 +27,7 @@ from d2o.budget import Budget
 from d2o.engine.cache import CompressedCache
 from d2o.errors import D2OError
 from d2o.methods import get_method
-from d2o.runtime.decoding import Batch, Sequence
+from d2o.runtime.decoding import Batch, Sequence, seconds_since
 from d2o.runtime.memory import padded_bytes, peak_slots, plan, slot_bytes, slot_widths
 from d2o.runtime.prompts import check_length
 
@@ -82,9 +82,7 @@ def _run_packed(model, method, budget, need, cap: int, max_batch: int, per_slot:
         with cache.hold():  # compressed when the block ends: its whole prompt is measured first
             one = Batch.prefill(model, cache, [prompt_of(decoding.size if decoding else 0)], [Sequence(None, generate)])
             whole = cache.nbytes
-        if cache.layers[0].keys.is_cuda:  # the compression at the block's end is queued, not done
-            torch.cuda.synchronize(cache.layers[0].keys.device)
-        seconds = perf_counter() - start
+        seconds = seconds_since(start, cache.layers[0].keys.device)  # the compression at hold's end included
         widths = slot_widths(cache)
         if decoding:
             widths = [max(mine, theirs) for mine, theirs in zip(widths, slot_widths(decoding.cache))]

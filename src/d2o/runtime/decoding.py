@@ -163,7 +163,7 @@ class Batch:
         with torch.inference_mode():
             logits = model(input_ids=input_ids.to(device), attention_mask=mask.to(device) if padded else None,
                            position_ids=positions.to(device), cache=cache, logits_to_keep=1).logits[:, -1]
-        seconds = _synchronized(start, device)
+        seconds = seconds_since(start, device)
         for sequence, length in zip(sequences, mask.sum(-1).tolist()):
             sequence.prefill_seconds = seconds
             sequence.prompt_tokens = length
@@ -195,7 +195,7 @@ class Batch:
                 self.logits = self.model(input_ids=torch.tensor(tokens, device=device)[:, None],
                                          position_ids=self.positions[:, None], cache=self.cache,
                                          logits_to_keep=1).logits[:, -1]
-            seconds = _synchronized(start, device)
+            seconds = seconds_since(start, device)
             self.positions = self.positions + 1
             self.step_seconds.append(seconds)
             for sequence in self.sequences:
@@ -252,7 +252,8 @@ def left_pad(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
-def _synchronized(start: float, device: torch.device) -> float:
+def seconds_since(start: float, device: torch.device) -> float:
+    """Seconds since ``start`` (``time.perf_counter``), once the work queued on ``device`` is done."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter() - start
