@@ -38,7 +38,10 @@ def test_the_plan_bounds_what_a_sequence_holds_and_is_tight_for_evicting_methods
     method, budget = get_method(name), Budget.parse(budget)
     prompt, new = 120, 30
     need = plan(tiny.config, method, budget, prompt, new, dtype_bytes=4)
-    slot = 2 * 2 * 16 * 4  # K and V, 2 KV heads, head dim 16, float32
+    # Per KV head (2): K and V (head dim 16, float32), the token index (int64), and the method's state:
+    # h2o its mass per query head (2, float32), d2o that and its merge counts (int32), snapkv its votes.
+    state = {"h2o": 8, "d2o": 12, "snapkv": 4, "full": 0, "streamingllm": 0}[name]
+    slot = 2 * (2 * 16 * 4 + 8 + state)
     assert need.prefill_bytes == 4 * prompt * slot
     cache = CompressedCache(tiny, method, budget)
     most = 0

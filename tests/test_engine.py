@@ -34,6 +34,10 @@ def lengths(cache):
     return [layer.keys.shape[2] for layer in cache.layers]
 
 
+def kv_bytes(cache):
+    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("budget", [0.1, 0.35, "24t"])
 def test_layers_hold_exactly_their_budgets_after_prefill_and_50_steps(arch, budget):
@@ -46,11 +50,11 @@ def test_layers_hold_exactly_their_budgets_after_prefill_and_50_steps(arch, budg
     assert lengths(cache) == budgets  # the tensors themselves shrank
     config = model.config
     per_token = config.num_key_value_heads * config.head_dim * 2 * 4
-    assert cache.nbytes == sum(budgets) * per_token
+    assert kv_bytes(cache) == sum(budgets) * per_token
     decode(model, cache, logits, 50)
     # Each step writes its token into the slot the previous step freed: one slot beyond the budget.
     assert lengths(cache) == [b + 1 for b in budgets]
-    assert cache.nbytes == (sum(budgets) + len(budgets)) * per_token
+    assert kv_bytes(cache) == (sum(budgets) + len(budgets)) * per_token
     assert [int(layer.n_kept) for layer in cache.layers] == budgets
     assert cache.get_seq_length() == prompt + 50  # tokens seen, not kept
     for layer in cache.layers:
@@ -263,7 +267,11 @@ def test_report_totals_match_the_layers():
     assert report.kv_tokens_kept == Budget(ratio=0.25, min_tokens=0).total(4, 120)
     assert sum(lengths(cache)) == report.kv_tokens_kept + 4  # one free slot per layer
     assert report.kv_tokens_full == 4 * 125
-    assert report.kv_bytes == cache.nbytes
+    assert report.kv_bytes == kv_bytes(cache)
+    # Beside each slot's K and V in each KV head (2 of 4 query heads): its int64 token index, d2o's
+    # float32 mass per query head and int32 merge count.
+    assert report.state_bytes == sum(lengths(cache)) * 2 * (8 + 2 * 4 + 4)
+    assert cache.nbytes == report.kv_bytes + report.state_bytes
     assert report.kv_bytes_full == 4 * 125 * 2 * 16 * 2 * 4
     assert report.layer_budgets == [int(layer.budget) for layer in cache.layers]
     assert all(len(layer.method["tau"][0]) == 6 for layer in report.layers)  # prefill + 5 decode evictions

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from d2o.errors import D2OError
 
+WARM_UP_TOKENS = 128  # the prompt run once per variant before a benchmark measures any
 FIT_MAX_BATCH = 256  # bench fit's default cap on rows (here, where the command line reads it without torch)
 
 

@@ -18,7 +18,7 @@ import statistics
 import torch
 from transformers import DynamicCache
 
-from d2o.bench.memory import measure_peak
+from d2o.bench.memory import cache_bytes, measure_peak
 from d2o.bench.models import prompt_ids, stock_attention
 from d2o.errors import D2OError
 from d2o.methods import get_method
@@ -27,12 +27,6 @@ from d2o.runtime.prompts import check_length
 from d2o.runtime.sharing import SharedPrefill
 
 FULL = "full"
-
-
-def kv_bytes(cache) -> int:
-    if hasattr(cache, "nbytes"):
-        return cache.nbytes
-    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers if layer.keys is not None)
 
 
 def _start(model, cache, first: Batch, batch: int, steps: int) -> Batch:
@@ -101,14 +95,14 @@ def bench_decode(model, tokenizer, methods: list[str], lengths: list[int], batch
                     for name in methods:  # no other method's batch is held while this one runs
                         run, most = measure_peak(lambda: _decode_alone(model, name, start(name, batch)), device)
                         peak[name] = max(peak.get(name, 0), most)
-                        held[name] = kv_bytes(run.cache)
+                        held[name] = cache_bytes(run.cache)
                         step_seconds[name] += run.step_seconds
                         del run  # freed before the next method's run is measured
                 else:
                     runs = {name: start(name, batch) for name in methods}
                     _decode_in_turn(model, runs)
                     for name, run in runs.items():
-                        held[name] = kv_bytes(run.cache)
+                        held[name] = cache_bytes(run.cache)
                         step_seconds[name] += run.step_seconds
                     del runs
             seconds = {name: statistics.median(values) for name, values in step_seconds.items()}

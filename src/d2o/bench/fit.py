@@ -15,13 +15,15 @@ such a batch outgrow the cap). Tokens/s is given over the decoding and over the 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from time import perf_counter
 
 import torch
 from transformers import DynamicCache
 
-from d2o.bench import FIT_MAX_BATCH, check_fit_generate
+from d2o.bench import FIT_MAX_BATCH, WARM_UP_TOKENS, check_fit_generate
+from d2o.bench.memory import cache_bytes
 from d2o.bench.models import row_prompts, stock_attention
 from d2o.budget import Budget
 from d2o.engine.cache import CompressedCache
@@ -63,12 +65,12 @@ def _run_full(model, need, cap: int, max_batch: int, prompt_of, generate: int) -
     decoding = Batch.prefill(model, DynamicCache(config=model.config), prompts,
                              [Sequence(None, generate) for _ in prompts])
     prefill_seconds = perf_counter() - start
-    decode_seconds, decode_tokens, most = _decode(decoding, _held(decoding.cache))
+    decode_seconds, decode_tokens, most = _decode(decoding, cache_bytes(decoding.cache))
     return Run(batch, (batch - 1) * need.held_bytes + need.peak_bytes, most, prefill_seconds, decode_seconds,
                decode_tokens)
 
 
-def _run_packed(model, method, budget, need, cap: int, max_batch: int, per_slot: int, prompt_of,
+def _run_packed(model, method, budget, need, cap: int, max_batch: int, per_slot: list[int], prompt_of,
                 generate: int) -> Run:
     """A compressed cache: rows prefilled alone, compressed and joined while they fit (see above), at
     most ``max_batch`` of them."""
@@ -111,14 +113,18 @@ def _decode(decoding: Batch, most: int) -> tuple[float, int, int]:
     while decoding.sequences:
         decoding.step()
         tokens += decoding.size  # the rows still running: each took a forward pass in this step
-        most = max(most, _held(decoding.cache))
+        most = max(most, cache_bytes(decoding.cache))
     return perf_counter() - start, tokens, most
 
 
-def _held(cache) -> int:
-    if hasattr(cache, "nbytes"):
-        return cache.nbytes
-    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers if layer.keys is not None)
+def _warm_up(model, name: str, budget: Budget, ids: list[int]) -> None:
+    """A short prefill and two decode steps of ``name``, outside the timings: one-time costs (thread
+    pools, kernels' buffers, on a GPU its libraries' start) would land on whichever method ran first."""
+    with torch.inference_mode(), stock_attention(model) if name == FULL else contextlib.nullcontext():
+        cache = DynamicCache(config=model.config) if name == FULL else CompressedCache(model, get_method(name), budget)
+        decoding = Batch.prefill(model, cache, [ids], [Sequence(None, 3)])
+        while decoding.sequences:
+            decoding.step()
 
 
 def bench_fit(model, tokenizer, cap: int, prompt: int, generate: int, methods: list[str], budget: Budget,
@@ -129,11 +135,14 @@ def bench_fit(model, tokenizer, cap: int, prompt: int, generate: int, methods: l
     check_length(model, prompt, generate)
     check_fit_generate(generate)
     prompt_of = row_prompts(tokenizer, model.config.get_text_config().vocab_size, prompt)
+    for name in methods:
+        get_method(name).check_budget(budget)
+        _warm_up(model, name, budget, prompt_of(0)[:WARM_UP_TOKENS])
     rows = []
     for name in methods:
         method = get_method(name)
         method.check_budget(budget)
-        need = plan(model.config, method, budget, prompt, generate, dtype_bytes)
+        need = plan(model.config, method, budget, prompt, generate, dtype_bytes, stock=name == FULL)
 
         none_fit = D2OError(f"a KV cap of {cap:,} bytes holds not one {prompt}+{generate}-token sequence "
                             f"under {name} (it needs {need.peak_bytes:,})")

@@ -24,6 +24,14 @@ from d2o.errors import D2OError
 _PROC = Path("/proc/self")
 
 
+def cache_bytes(cache) -> int:
+    """Bytes a cache holds: d2o's its keys, values and their slots' bookkeeping (``nbytes``), the
+    stock cache its keys and values."""
+    if hasattr(cache, "nbytes"):
+        return cache.nbytes
+    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers if layer.keys is not None)
+
+
 def measure_peak(fn, device: torch.device | str):
     """``(fn(), peak)``: the peak bytes held while ``fn`` ran beyond what was held when it started,
     on ``device`` (where ``fn`` computes: a CPU run on a machine with a GPU is measured on the CPU)."""

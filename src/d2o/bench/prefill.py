@@ -10,6 +10,7 @@ import time
 import torch
 from transformers import DynamicCache
 
+from d2o.bench import WARM_UP_TOKENS
 from d2o.bench.memory import measure_peak
 from d2o.bench.models import prompt_ids, stock_attention
 from d2o.engine.cache import CompressedCache
@@ -18,7 +19,6 @@ from d2o.methods import get_method
 from d2o.runtime.prompts import check_length
 
 BASELINES = ("sdpa", "eager")
-WARM_UP_TOKENS = 128
 
 
 def _prefill(model, ids: torch.Tensor, name: str, policy, budget) -> tuple[float, int]:

@@ -356,7 +356,9 @@ class CompressedCache(Cache):
     # -- inspection ---------------------------------------------------------------------------
     @property
     def nbytes(self) -> int:
-        return sum(layer.nbytes for layer in self.layers)
+        """Bytes the layers hold for their slots: keys, values, token indices and method state (not
+        the statistics of a pass, nor those a ``hold`` keeps until it ends)."""
+        return sum(layer.nbytes + layer.state_nbytes for layer in self.layers)
 
     def report(self, rows: list[int] | None = None) -> CacheReport:
         """What the layers hold, for ``rows`` of the batch (all of them by default); a row's bytes

@@ -39,10 +39,18 @@ class Evicted:
     log_weight: torch.Tensor | None = None
 
 
+# Bytes of one value of slot state (float32 scores, int32 counts), whatever the model's dtype.
+STATE_VALUE_BYTES = 4
+
+
 class Merge(Protocol):
     """What happens to evicted tokens: folded into the layer's kept slots instead of being dropped."""
 
     reads: tuple[str, ...]  # the slot states of the evicted tokens it reads (the engine copies only those)
+
+    def slot_state_bytes(self, group: int) -> int:
+        """Bytes it keeps per slot and stored KV head, at most (slot state and log weight);
+        ``group``: the query heads of each stored KV head."""
 
     def new_state(self) -> RowState | None:
         """Per-layer state of a new cache (e.g. a merge threshold per row)."""
@@ -70,6 +78,11 @@ class Policy(Protocol):
 
     def new_layer_state(self) -> RowState | None:
         """The method's own per-layer state for a new cache (None if it keeps none)."""
+
+    def slot_state_bytes(self, group: int) -> int:
+        """Bytes of state it keeps per slot and stored KV head, at most, in a layer it scores
+        (``slot_state`` and ``log_weight``; a memory plan counts them); ``group``: the query heads
+        of each stored KV head."""
 
     def stats_request(self, layer: CompressedLayer, n_query: int) -> StatsRequest | None: ...
 

@@ -110,7 +110,8 @@ class CacheReport:
         """One line: what was held, against the full cache."""
         held = self.method if self.budget is None else f"{self.method} at {self.budget}"
         line = (f"{held}: {self.kv_tokens_kept} of {self.kv_tokens_full} KV tokens, "
-                f"{self.kv_bytes / 2**20:.2f} of {self.kv_bytes_full / 2**20:.2f} MiB")
+                f"{self.kv_bytes / 2**20:.2f} of {self.kv_bytes_full / 2**20:.2f} MiB "
+                f"(+{self.state_bytes / 2**20:.2f} MiB of token indices and scores)")
         if len(self.global_layers) < len(self.layers):
             line += f"; global layers {', '.join(map(str, self.global_layers))}, the others slide"
         if self.floor_layers:

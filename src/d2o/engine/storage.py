@@ -36,6 +36,8 @@ if TYPE_CHECKING:
 # returned: `update` leaves its layer here and the hook claims it (see `claim_active_layer`).
 _active = threading.local()
 
+TOKEN_INDEX_DTYPE = torch.long  # each slot's token index, per KV head
+
 
 def claim_active_layer(key: torch.Tensor) -> CompressedLayer | None:
     """The compressed layer whose ``update`` returned ``key``, or None if the cache is not d2o's."""
@@ -155,7 +157,7 @@ class CompressedLayer(CacheLayerMixin):
         self.device = key_states.device
         self.keys = key_states.new_empty((batch, heads, 0, dim))
         self.values = value_states.new_empty((batch, heads, 0, value_states.shape[-1]))
-        self.token_index = torch.empty((batch, heads, 0), dtype=torch.long, device=self.device)
+        self.token_index = torch.empty((batch, heads, 0), dtype=TOKEN_INDEX_DTYPE, device=self.device)
         self.real_seen = torch.zeros(batch, dtype=torch.long, device=self.device)
         self.merged = torch.zeros(batch, dtype=torch.long, device=self.device)
         self.is_initialized = True

@@ -91,6 +91,11 @@ class Method:
         """Per-layer diagnostics (one entry per row): its merge component's, if it has one."""
         return self.merge.report(layer) if self.merge is not None else {}
 
+    def slot_state_bytes(self, group: int) -> int:
+        """Bytes of state kept per slot and stored KV head (``group`` query heads each): its merge
+        component's; a method that scores from slot state adds its own."""
+        return self.merge.slot_state_bytes(group) if self.merge is not None else 0
+
     # -- statistics -----------------------------------------------------------------------------
     def stats_request(self, layer: CompressedLayer, n_query: int) -> StatsRequest | None:
         return None

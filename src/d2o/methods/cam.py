@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from d2o.engine.policy import Evicted, Merge
+from d2o.engine.policy import STATE_VALUE_BYTES, Evicted, Merge
 from d2o.engine.stats import AttentionStats, StatsRequest
 from d2o.methods.base import check, register
 from d2o.methods.h2o import H2O
@@ -25,6 +25,9 @@ class AccumulatedWithLastLook(AccumulatedAttention):
     @property
     def keeps(self) -> tuple[str, ...]:
         return (*super().keeps, LAST_LOOK)
+
+    def slot_state_bytes(self, group: int) -> int:
+        return super().slot_state_bytes(group) + STATE_VALUE_BYTES
 
     def stats_request(self, layer, n_query: int) -> StatsRequest:
         return StatsRequest(column_mass=True, window=1)
@@ -57,6 +60,9 @@ class ProminenceMerge:
 
     def report(self, layer) -> dict:
         return {}
+
+    def slot_state_bytes(self, group: int) -> int:
+        return 0
 
     def merge(self, layers: list, evicted: list[Evicted]) -> list[torch.Tensor]:
         return [self._merge_layer(layer, gone) for layer, gone in zip(layers, evicted)]

@@ -55,3 +55,6 @@ class H2O(HeavyRecent):
 
     def score(self, layer) -> torch.Tensor:
         return self.scoring.score(layer)
+
+    def slot_state_bytes(self, group: int) -> int:
+        return super().slot_state_bytes(group) + self.scoring.slot_state_bytes(group)

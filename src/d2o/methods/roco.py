@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from d2o.engine.policy import STATE_VALUE_BYTES
 from d2o.engine.stats import AttentionStats, StatsRequest
 from d2o.methods.base import HeavyRecent, check, register
 from d2o.options import whole
@@ -51,6 +52,9 @@ class RoCo(HeavyRecent):
         elif rows.shape[-1] < self.window:
             rows = torch.nn.functional.pad(rows, (self.window - rows.shape[-1], 0))
         layer.slot_state["recent_rows"] = rows.contiguous()
+
+    def slot_state_bytes(self, group: int) -> int:
+        return STATE_VALUE_BYTES * self.window  # the window's attention rows
 
     def score(self, layer) -> torch.Tensor:
         rows = layer.slot_state["recent_rows"]

@@ -15,6 +15,7 @@ from typing import ClassVar, Protocol
 import torch
 import torch.nn.functional as F
 
+from d2o.engine.policy import STATE_VALUE_BYTES
 from d2o.engine.stats import AttentionStats, StatsRequest
 from d2o.errors import D2OError
 from d2o.options import whole
@@ -36,6 +37,9 @@ class Scoring(Protocol):
 
     def score(self, layer) -> torch.Tensor: ...
 
+    def slot_state_bytes(self, group: int) -> int:
+        """Bytes of the slot states it keeps, per slot and KV head of ``group`` query heads."""
+
 
 @dataclass
 class AccumulatedAttention:
@@ -47,6 +51,9 @@ class AccumulatedAttention:
     @property
     def keeps(self) -> tuple[str, ...]:
         return (MASS,)
+
+    def slot_state_bytes(self, group: int) -> int:
+        return STATE_VALUE_BYTES * group  # the mass of each query head
 
     def stats_request(self, layer, n_query: int) -> StatsRequest:
         return StatsRequest(column_mass=True)
@@ -115,6 +122,9 @@ class BlendedScores(AccumulatedAttention):
     @property
     def keeps(self) -> tuple[str, ...]:
         return (MASS,) + ((VOTES,) if self.window else ()) + ((SURPRISAL,) if self.surprisal else ())
+
+    def slot_state_bytes(self, group: int) -> int:
+        return super().slot_state_bytes(group) + STATE_VALUE_BYTES * (len(self.keeps) - 1)
 
     def stats_request(self, layer, n_query: int) -> StatsRequest:
         return StatsRequest(column_mass=True, window=self.window)

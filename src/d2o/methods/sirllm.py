@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from d2o.engine.policy import STATE_VALUE_BYTES
 from d2o.methods.base import HeavyRecent, check, register
 from d2o.methods.scoring import SURPRISAL, record_surprisal
 
@@ -36,3 +37,6 @@ class SirLLM(HeavyRecent):
 
     def score(self, layer) -> torch.Tensor:
         return layer.slot_state[SURPRISAL]
+
+    def slot_state_bytes(self, group: int) -> int:
+        return STATE_VALUE_BYTES

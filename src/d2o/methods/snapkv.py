@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from d2o.engine.policy import STATE_VALUE_BYTES
 from d2o.engine.stats import AttentionStats, StatsRequest
 from d2o.methods.base import Method, check, register
 from d2o.options import whole
@@ -61,6 +62,9 @@ class SnapKV(Method):
 
     def score(self, layer):
         return layer.slot_state["votes"]
+
+    def slot_state_bytes(self, group: int) -> int:
+        return STATE_VALUE_BYTES
 
     def n_recent(self, target: torch.Tensor) -> torch.Tensor:
         return torch.clamp(target, max=self.window)

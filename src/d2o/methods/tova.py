@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from d2o.engine.policy import STATE_VALUE_BYTES
 from d2o.engine.stats import AttentionStats, StatsRequest
 from d2o.methods.base import Method, register
 
@@ -29,3 +30,6 @@ class TOVA(Method):
 
     def score(self, layer):
         return layer.slot_state["current"]
+
+    def slot_state_bytes(self, group: int) -> int:
+        return STATE_VALUE_BYTES

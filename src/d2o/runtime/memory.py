@@ -1,8 +1,9 @@
 """How much KV memory a request needs: at its prefill, and at most while it decodes.
 
 What a server admits and what ``bench fit`` packs under a memory cap. A layer holds K and V for
-every kept slot; a prompt is prefilled whole before it is compressed, so the prefill holds every
-prompt token in every layer; while decoding, a method that evicts holds its budget (plus the one
+every kept slot, and beside them each slot's token index and method state (``slot_bytes``); a
+prompt is prefilled whole before it is compressed, so the prefill holds every prompt token in
+every layer; while decoding, a method that evicts holds its budget (plus the one
 slot a new token is written into), a method that compresses once grows by every generated token,
 and the full cache holds everything. A sliding-window layer (Gemma 3) holds its window whatever the
 method. A method whose layer budgets need not add up to its total (``d2o-official``) is planned as
@@ -21,12 +22,14 @@ import torch
 
 from d2o.budget import UNLIMITED, Budget
 from d2o.engine.cache import compressible_layers, sliding_windows
+from d2o.engine.storage import TOKEN_INDEX_DTYPE
 from d2o.methods.base import Method
 
 
 @dataclass(frozen=True)
 class KVPlan:
-    """Bytes of KV cache one sequence holds: during its prefill, and at most afterwards."""
+    """Bytes of KV cache (keys, values and their slots' bookkeeping) one sequence holds: during its
+    prefill, and at most afterwards."""
 
     prefill_bytes: int
     held_bytes: int
@@ -36,18 +39,28 @@ class KVPlan:
         return max(self.prefill_bytes, self.held_bytes)
 
 
-def slot_bytes(config, dtype_bytes: int, method: Method) -> int:
-    """Bytes of one slot (K and V of one token) in one layer."""
+def slot_bytes(config, dtype_bytes: int, method: Method, stock: bool = False) -> list[int]:
+    """Bytes of one slot in each layer: the K and V of one token in every stored KV head and, in
+    d2o's cache (not in the stock cache: ``stock``), its token index beside them and, in a layer
+    the method scores (every layer but a sliding-window one), the method's slot state (float32
+    whatever the model's dtype: 3-6% of K and V in float32 for H2O and D2O, a quarter for RoCo)."""
     config = config.get_text_config()
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     heads = config.num_attention_heads if method.repeats_kv_heads else config.num_key_value_heads
-    return 2 * heads * head_dim * dtype_bytes
+    kv = 2 * head_dim * dtype_bytes
+    if stock:
+        return [heads * kv for _ in sliding_windows(config)]
+    index = kv + TOKEN_INDEX_DTYPE.itemsize
+    scored = index + method.slot_state_bytes(config.num_attention_heads // heads)
+    return [heads * (index if window is not None else scored) for window in sliding_windows(config)]
 
 
-def plan(config, method: Method, budget: Budget, prompt_tokens: int, new_tokens: int, dtype_bytes: int = 4) -> KVPlan:
-    """The KV bytes of one sequence of ``prompt_tokens`` + ``new_tokens`` under ``method`` at ``budget``."""
+def plan(config, method: Method, budget: Budget, prompt_tokens: int, new_tokens: int, dtype_bytes: int = 4,
+         stock: bool = False) -> KVPlan:
+    """The KV bytes of one sequence of ``prompt_tokens`` + ``new_tokens`` under ``method`` at ``budget``
+    (``stock``: in transformers' own cache, which holds K and V alone: the full cache only)."""
     windows = sliding_windows(config.get_text_config())
-    per_slot = slot_bytes(config, dtype_bytes, method)
+    per_slot = slot_bytes(config, dtype_bytes, method, stock)
     length = prompt_tokens + new_tokens
     compressible = compressible_layers(windows, budget)
     exempt = len(method.exempt_among(len(windows), compressible))
@@ -63,8 +76,9 @@ def plan(config, method: Method, budget: Budget, prompt_tokens: int, new_tokens:
         else:
             held = share + active * new_tokens
         held += exempt * length
-    held += sum(min(length, window) for window in windows if window is not None)
-    return KVPlan(prefill_bytes=len(windows) * prompt_tokens * per_slot, held_bytes=held * per_slot)
+    global_slot = per_slot[compressible[0]] if compressible else 0  # every global layer's slot is alike
+    sliding = sum(min(length, window) * slot for window, slot in zip(windows, per_slot) if window is not None)
+    return KVPlan(prefill_bytes=prompt_tokens * sum(per_slot), held_bytes=held * global_slot + sliding)
 
 
 def peak_slots(cache, new_tokens: int) -> torch.Tensor:
@@ -97,11 +111,11 @@ def slot_widths(cache) -> list[int]:
     return [layer.keys.shape[2] if layer.is_initialized else 0 for layer in cache.layers]
 
 
-def padded_bytes(widths: list[int], peaks: torch.Tensor, per_slot: int) -> int:
+def padded_bytes(widths: list[int], peaks: torch.Tensor, per_slot: list[int]) -> int:
     """The most KV bytes a batch of rows with ``peaks`` (B, L) from ``peak_slots`` reaches: every
     row is as wide as the widest in each layer. ``widths``: each layer's slots now (a batch's
-    tensors do not narrow when its widest row leaves)."""
+    tensors do not narrow when its widest row leaves); ``per_slot``: ``slot_bytes``."""
     if not len(peaks):
         return 0
     widest = torch.maximum(peaks.max(0).values, torch.tensor(widths, dtype=peaks.dtype))
-    return len(peaks) * int(widest.sum()) * per_slot
+    return len(peaks) * int((widest * torch.tensor(per_slot, dtype=widest.dtype)).sum())

@@ -71,6 +71,9 @@ class _Observers(Method):
         super().__post_init__()
         self.needs_surprisal = any(m.needs_surprisal for m in self.methods)
 
+    def slot_state_bytes(self, group: int) -> int:
+        return sum(method.slot_state_bytes(group) for method in self.methods)
+
     def requests(self, layer, n_query: int) -> list[StatsRequest | None]:
         return [m.stats_request(_View(layer, f"{i}/"), n_query) for i, m in enumerate(self.methods)]
 

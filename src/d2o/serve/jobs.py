@@ -67,7 +67,7 @@ def stable_text(sequence: Sequence) -> str:
 class Lane:
     """Rows of one method and budget decoding together: one ``Batch`` and each row's job."""
 
-    def __init__(self, batch: Batch, job: Job, per_slot: int):
+    def __init__(self, batch: Batch, job: Job, per_slot: list[int]):
         self.key, self.batch, self.per_slot = job.key, batch, per_slot
         self.jobs = {id(job.sequence): job}
 

@@ -53,7 +53,7 @@ HELP = {
     "prompt_tokens_total": ("counter", "Prompt tokens of admitted requests."),
     "generated_tokens_total": ("counter", "Tokens generated."),
     "generated_tokens_per_second": ("gauge", f"Tokens generated per second over the last {WINDOW:g} s."),
-    "kv_bytes": ("gauge", "KV cache bytes held now (keys and values of every running batch)."),
+    "kv_bytes": ("gauge", "KV cache bytes held now (keys, values and their slots' bookkeeping, every running batch)."),
     "kv_bytes_peak": ("gauge", "Most KV cache bytes held at once (a prefill's whole prompt included)."),
     "kv_bytes_reserved": ("gauge", "KV bytes reserved: what admitted requests can hold at most, padding included."),
     "kv_bytes_cap": ("gauge", "The KV memory cap (--kv-memory)."),

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from d2o.engine.policy import Evicted
+from d2o.engine.policy import STATE_VALUE_BYTES, Evicted
 from d2o.engine.stats import CHUNK_ELEMENTS, as_dtype
 from d2o.engine.selection import take_rows
 from d2o.engine.storage import RowState
@@ -102,6 +102,16 @@ class SimilarityMerge:
 
     def new_state(self) -> MergeState:
         return MergeState()
+
+    @property
+    def counts_tokens(self) -> bool:
+        """Whether it reads how many tokens each slot stands for (the layer's log weight, made on
+        its first merge; only ``mass`` raises it above one)."""
+        return self.weighting in ("count", "attention") or self.mass
+
+    def slot_state_bytes(self, group: int) -> int:
+        """Each slot's merge count (int32) and, if it counts tokens, its log weight (float32)."""
+        return STATE_VALUE_BYTES * (1 + self.counts_tokens)
 
     def report(self, layer) -> dict[str, list]:
         """Per row: its threshold at each eviction, and the most evicted tokens one slot absorbed."""
@@ -194,8 +204,7 @@ class SimilarityMerge:
         weights w and denominators d of ``weighting``; the others are left exactly as they are. The
         weights are computed for the stacked rows of all ``layers`` at once (``rows``: each one's).
         """
-        counted = self.weighting in ("count", "attention") or self.mass
-        if counted:  # tokens each kept target and each evicted token stands for
+        if self.counts_tokens:  # tokens each kept target and each evicted token stands for
             kept_count = _stack([layer.weights().gather(2, target[row]) for layer, row in zip(layers, rows)]).exp()
             gone_count = _stack([gone.log_weight.exp() if gone.log_weight is not None else torch.ones_like(best[row])
                                 for gone, row in zip(evicted, rows)])
