@@ -43,9 +43,11 @@ class ProminenceMerge:
     tokens that follow it in the sequence, each receiving value / span (fewer than ``span`` kept
     after it: the rest is lost, as in the released code); keys are dropped, not merged.
     p = clamp(a_e / mean(a over those kept tokens), 0, 1), a the attention the current query pays
-    each token (the released code's rule: the token leaving is merged when the query still looks
-    at it as much as at its neighbours). Drawn per KV head from a generator seeded by (seed,
-    layer, tokens seen, row), so runs are reproducible and a batch draws what its rows would alone."""
+    each token (the rule of the released decoding code, cam_hf: the token leaving is merged when
+    the query still looks at it as much as at its neighbours; its lm-eval code divides by the
+    largest attention over sinks and window instead, kvpress uses accumulated attention). Drawn per
+    KV head from a generator seeded by (seed, layer, tokens seen, row), so runs are reproducible
+    and a batch draws what its rows would alone."""
 
     span: int = 32
     seed: int = 0

@@ -16,17 +16,20 @@ from d2o.options import whole
 @register
 @dataclass
 class RoCo(HeavyRecent):
-    """Robust cache omission as its paper states it (Ren and Zhu, 2024): a token's score is the mean
+    """Robust cache omission as we read its paper (Ren and Zhu, 2024): a token's score is the mean
     attention it received from the last ``window`` queries that could see it, summed over the
     query heads of its KV head; among equal means, the lower standard deviation is evicted first
-    (a robustly unimportant token). Plus 4 sinks and a recent window of 10% of the budget (split
-    9:1). The window's attention rows are kept per slot (``window`` floats per token and KV head).
+    (a robustly unimportant token; float means rarely tie, so in effect the mean decides). Plus 4
+    sinks and a recent window of 10% of the budget (split 9:1). The window's attention rows are
+    kept per slot (``window`` floats per token and KV head).
 
     The authors' released code (EasyKV, policy ``roco``) differs: its mean and standard deviation
     run over every query since the token arrived (of the attention averaged over the group's
     heads), the standard deviation bounds an eviction scope (the budget - recent - sinks tokens of
     lowest deviation; the last 10 tokens and the sinks are never in it) and the lowest mean within
-    that scope is evicted; tokens of the 10% window other than the last 10 may go."""
+    that scope is evicted; tokens of the 10% window other than the last 10 may go. It also evicts
+    while it encodes the prompt, in strides (8 in its README); here the prompt is scored once, at
+    the end of the prefill, by its last ``window`` queries, as every method here compresses it."""
 
     name = "roco"
     summary = "RoCo: mean attention over the last 32 queries (std breaks ties) + sinks + recent window"

@@ -19,7 +19,13 @@ class SirLLM(HeavyRecent):
     previous token, an off-by-one), multiplied by ``decay`` at every later forward pass (the paper
     decays per dialogue turn; 1.0, its default, keeps scores as they are). 4 sinks; the rest of
     each layer's budget split 1:1 between high-entropy and recent tokens (its CLI defaults,
-    1000 + 1000). Every layer and head keeps the same tokens."""
+    1000 + 1000). Every layer and head keeps the same tokens.
+
+    Two differences from the released code, for a single long prompt: it evicts only between
+    dialogue turns (here: at the end of the prefill and at every decode step, as every method
+    here does), and it picks its high-entropy tokens among all tokens, the recent ones included,
+    then fills up with the newest (here the newest half is kept first and the most surprising of
+    the rest fill the other half: more old tokens are kept when surprising tokens are recent)."""
 
     name = "sirllm"
     summary = "SirLLM: 4 sinks + high token-entropy (surprisal) tokens with decay + recent window"

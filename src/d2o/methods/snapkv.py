@@ -21,8 +21,10 @@ class SnapKV(Method):
     """After the prefill, each prompt token is scored by the attention the last ``window`` prompt
     tokens (the observation window) pay it, summed over those queries, smoothed by 1-D pooling
     over positions (kernel 7, max pooling: the paper's LongBench configuration), then averaged
-    over the query heads of each KV head (kvpress's GQA rule); the pooling runs over the prefix
-    only, as in the paper's code. Each layer keeps the window and its best-scored other tokens;
+    over the query heads of each KV head (the released code repeats KV heads and selects per query
+    head; kvpress averages the group, after average pooling, where the order does not matter;
+    under max pooling, pooling each head first keeps a head's sharp peaks); the pooling runs over
+    the prefix only, as in the paper's code. Each layer keeps the window and its best-scored other tokens;
     nothing is evicted while decoding (the cache grows by the generated tokens)."""
 
     name = "snapkv"
