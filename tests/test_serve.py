@@ -115,6 +115,12 @@ def test_streams_carry_the_same_text_and_stop_at_a_stop_string(server, real_mode
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    with httpx.stream("POST", url + "/v1/completions", json={
+            "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}) as raw:
+        events = [json.loads(line[6:]) for line in raw.iter_lines() if line.startswith("data: {")]
+    assert all("usage" in event and event["usage"] is None for event in events[:-1])  # as OpenAI's chunks say
+    assert events[-2]["choices"][0]["finish_reason"] == "length" and events[-1]["usage"]["completion_tokens"] == 4
 
     prompt = "The capital of France is"
     expected = generate(model, tokenizer, prompt, "d2o", 0.2, max_new_tokens=16, stop=("answer",))
@@ -366,6 +372,83 @@ def test_a_failure_inside_the_engine_is_a_500_and_the_server_keeps_serving(serve
         client(url).completions.create(model="smollm2", prompt="Hello", max_tokens=3)
     assert failed.value.status_code == 500 and "a bug" in failed.value.message
     assert client(url).completions.create(model="smollm2", prompt="Hello", max_tokens=3).usage.completion_tokens
+
+
+def test_a_row_that_finished_in_a_step_whose_pass_then_failed_gets_its_answer(real_model, monkeypatch):
+    """The short row finishes and leaves the batch; the forward pass for the others then fails:
+    the short request still gets its whole answer, the others a 500, and each is counted once."""
+    model, tokenizer = real_model
+    engine = Engine(model, tokenizer, ServeConfig(kv_memory=parse_bytes("64MB"), method="full", budget="1.0"))
+    armed, push, forward = {}, Sequence.push, model.forward
+
+    def push_and_arm(self, token):
+        done = push(self, token)
+        armed["now"] = armed.get("now") or (done and self is armed["short"])
+        return done
+
+    def failing_forward(*args, **kwargs):
+        if armed.pop("now", False):
+            raise RuntimeError("out of memory")
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(Sequence, "push", push_and_arm)
+    monkeypatch.setattr(model, "forward", failing_forward)
+
+    async def run():
+        loop, jobs = asyncio.get_running_loop(), []
+        for n in (3, 40):
+            request = CompletionRequest(prompt=f"{n} words of a story:", max_tokens=n, temperature=0)
+            jobs.append(engine.prepare(request, request.prompt, False, n, loop))
+        armed["short"] = jobs[0].sequence
+        for job in jobs:
+            engine.submit(job)
+        ends = []
+        for job in jobs:
+            while (event := await asyncio.wait_for(job.events.get(), 60))[0] in ("started", "delta"):
+                pass
+            ends.append(event)
+        return ends
+
+    try:
+        (short, short_result), (long, long_error) = asyncio.run(run())
+        totals = engine.metrics()["requests_total"]
+    finally:
+        engine.close()
+    assert (short, short_result.finish_reason, long, long_error.status) == ("done", "length", "error", 500)
+    assert sorted((key[-1][1], count) for key, count in totals.items()) == [("failed", 1), ("finished", 1)]
+
+
+def test_a_cancel_landing_between_two_reads_of_its_flag_keeps_lane_and_batch_alike(real_model):
+    """A handler cancels while the engine drops the cancelled rows: the flag is read once, so the
+    job leaves its lane and its row the batch together (at the next round), and no job is lost."""
+    from d2o.engine.cache import CompressedCache
+    from d2o.serve.jobs import Job, Lane
+
+    class CancelledMidRound(Job):
+        reads = 0
+
+        @property
+        def cancelled(self):  # False at the first read, True after: the handler's cancel lands between
+            self.reads += 1
+            return self.reads > 1
+
+        @cancelled.setter
+        def cancelled(self, value):
+            pass
+
+    model, tokenizer = real_model
+    method, budget = get_method("full"), Budget.parse(1.0)
+    ids = [tokenizer(text).input_ids for text in ("One story", "Another story")]
+    sequences = [Sequence(None, 5), Sequence(None, 5)]
+    batch = Batch.prefill(model, CompressedCache(model, method, budget), ids, sequences)
+    gone, late = (cls(ids[i], sequences[i], method, budget, None, False, None) for i, cls in
+                  enumerate((Job, CancelledMidRound)))
+    gone.cancelled = True
+    lane = Lane(batch, gone, [0])
+    lane.jobs[id(late.sequence)] = late
+    assert lane.drop_cancelled() == [gone]
+    assert lane.rows() == [late] and batch.size == 1
+    assert lane.drop_cancelled() == [late] and batch.size == 0 and not lane.jobs
 
 
 # -- load and memory -------------------------------------------------------------------------------

@@ -6,6 +6,8 @@ nothing here needs torch, so input can be checked before it loads.
 
 from __future__ import annotations
 
+from jinja2 import TemplateError
+
 from d2o.errors import D2OError
 
 
@@ -15,7 +17,10 @@ def chat_text(tokenizer, prompt: str | list[dict]) -> str | None:
     if not getattr(tokenizer, "chat_template", None):
         return None
     turns = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-    return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+    try:
+        return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+    except TemplateError as error:  # the template refuses the conversation (e.g. roles that do not alternate)
+        raise D2OError(f"the model's chat template refuses these messages: {error}") from None
 
 
 def encode(tokenizer, prompts: list[str | list[dict]], chat: bool = False) -> list[list[int]]:

@@ -145,15 +145,16 @@ async def stream(engine: Engine, job: Job, kind: str, rid: str, include_usage: b
     """Server-sent events: the text as it becomes final, the finish reason, the usage if asked.
     A client that goes away ends it; ``JobStream`` then cancels the job."""
     name, finished = engine.name, False
+    usage = {"usage": None} if include_usage else {}  # every chunk but the last then says it has none
     if kind == CHAT:
-        yield sse(chunk(kind, rid, name, "", first=True))
+        yield sse({**chunk(kind, rid, name, "", first=True), **usage})
     while not finished:
         event, payload = await job.events.get()
         finished = event != "delta"
         if event == "delta":
-            yield sse(chunk(kind, rid, name, payload))
+            yield sse({**chunk(kind, rid, name, payload), **usage})
         elif event == "done":
-            yield sse(chunk(kind, rid, name, None, payload.finish_reason))
+            yield sse({**chunk(kind, rid, name, None, payload.finish_reason), **usage})
             if include_usage:
                 yield sse({**usage_chunk(kind, rid, name, payload), **extras(engine, job)})
         else:

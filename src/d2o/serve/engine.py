@@ -241,8 +241,14 @@ class Engine:
             try:
                 finished = lane.batch.step()
             except Exception as error:  # noqa: BLE001
-                for job in lane.rows():
-                    self._settle(job, APIError(500, f"decoding failed: {error}", kind="server_error"), "failed")
+                # Every job of the lane, those whose row finished in this step before its forward
+                # pass failed included: they left the batch with their whole answer.
+                for job in list(lane.jobs.values()):
+                    if job.sequence.finished:
+                        self._settle(job, None, "finished")
+                    else:
+                        self._settle(job, APIError(500, f"decoding failed: {error}", kind="server_error"), "failed")
+                lane.jobs.clear()
                 lane.batch.keep_rows([])  # the lane is dropped below, its cache with it
                 finished = []
             for sequence in finished:

@@ -93,11 +93,14 @@ class Lane:
         self.jobs[id(job.sequence)] = job
 
     def drop_cancelled(self) -> list[Job]:
+        """Drop the rows whose client has gone; returns their jobs. Each flag is read once: a
+        handler may cancel a job at any moment, and the rows leaving the batch must be exactly
+        the jobs leaving the lane (a job cancelled meanwhile leaves at the next round)."""
         rows = self.rows()
-        keep = [i for i, job in enumerate(rows) if not job.cancelled]
-        if len(keep) < len(rows):
-            self.batch.keep_rows(keep)
-            for job in rows:
-                if job.cancelled:
+        gone = [job.cancelled for job in rows]
+        if any(gone):
+            self.batch.keep_rows([row for row, left in enumerate(gone) if not left])
+            for job, left in zip(rows, gone):
+                if left:
                     del self.jobs[id(job.sequence)]
-        return [job for job in rows if job.cancelled]
+        return [job for job, left in zip(rows, gone) if left]

@@ -142,6 +142,14 @@ class ChatRequest(Generation):
 class CompletionRequest(Generation):
     prompt: Union[str, list[str]]
 
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, value):
+        # Completions return the sampled token's log probability for logprobs=0: only null asks for none.
+        if value is not None:
+            raise ValueError("logprobs is not supported by this server")
+        return value
+
     @field_validator("prompt")
     @classmethod
     def _one_prompt(cls, prompt):
