@@ -124,7 +124,7 @@ class BlendedScores(AccumulatedAttention):
         return (MASS,) + ((VOTES,) if self.window else ()) + ((SURPRISAL,) if self.surprisal else ())
 
     def slot_state_bytes(self, group: int) -> int:
-        return super().slot_state_bytes(group) + STATE_VALUE_BYTES * (len(self.keeps) - 1)
+        return super().slot_state_bytes(group) + STATE_VALUE_BYTES * (len(self.keeps) - 1)  # votes, surprisal
 
     def stats_request(self, layer, n_query: int) -> StatsRequest:
         return StatsRequest(column_mass=True, window=self.window)
