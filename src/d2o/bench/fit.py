@@ -81,10 +81,8 @@ def _run_packed(model, method, budget, need, cap: int, max_batch: int, per_slot:
             break
         cache = CompressedCache(model, method, budget)
         start = perf_counter()
-        with cache.hold():  # compressed when the block ends: its whole prompt is measured first
-            one = Batch.prefill(model, cache, [prompt_of(decoding.size if decoding else 0)], [Sequence(None, generate)])
-            whole = cache.nbytes
-        seconds = seconds_since(start, cache.layers[0].keys.device)  # the compression at hold's end included
+        one, whole = _prefill_measured(model, cache, prompt_of(decoding.size if decoding else 0), generate)
+        seconds = seconds_since(start, cache.layers[0].keys.device)  # its compression included
         widths = slot_widths(cache)
         if decoding:
             widths = [max(mine, theirs) for mine, theirs in zip(widths, slot_widths(decoding.cache))]
@@ -104,6 +102,24 @@ def _run_packed(model, method, budget, need, cap: int, max_batch: int, per_slot:
     batch = decoding.size  # rows leave the batch as they finish
     decode_seconds, decode_tokens, most = _decode(decoding, most)
     return Run(batch, planned, most, prefill_seconds, decode_seconds, decode_tokens)
+
+
+def _prefill_measured(model, cache: CompressedCache, prompt: list[int], generate: int) -> tuple[Batch, int]:
+    """One row prefilled as a server prefills it (compressed at the end of its pass), and the bytes
+    its cache held just before the compression: its whole prompt. (Under ``hold`` every layer would
+    keep its window's attention rows until the block ended, memory no prefill holds otherwise.)"""
+    compress, whole = cache.compress, []
+
+    def measured() -> None:
+        whole.append(cache.nbytes)
+        compress()
+
+    cache.compress = measured
+    try:
+        one = Batch.prefill(model, cache, [prompt], [Sequence(None, generate)])
+    finally:
+        del cache.compress
+    return one, whole[0]
 
 
 def _decode(decoding: Batch, most: int) -> tuple[float, int, int]:
