@@ -196,7 +196,9 @@ class CompressedCache(Cache):
 
     @contextmanager
     def hold(self):
-        """Defer compression until the block ends (e.g. to prefill a long prompt in chunks)."""
+        """Defer compression until the block ends (e.g. to prefill a long prompt in chunks). Meanwhile
+        a layer whose method reads an observation window keeps that window's attention rows (its
+        last w queries' over every token), so that the next chunk scores with them."""
         self._holds += 1
         try:
             yield self
