@@ -41,6 +41,10 @@ def test_coqa_scores_leave_each_gold_out():
     assert coqa_scores("grey", ["white", "white", "white", "grey"]) == {"f1": 0.75, "exact_match": 0.75}
     assert coqa_scores("white", ["white", "white", "white", "grey"]) == {"f1": 1.0, "exact_match": 1.0}
     assert coqa_scores("a white cat", ["white"]) == {"f1": pytest.approx(2 / 3), "exact_match": 0.0}
+    # An answer with no words left after normalisation ("the"), against another: 1, as CoQA's scorer
+    # says (SQuAD's F1 says 0), so F1 agrees with exact match.
+    assert coqa_scores("", ["the", "a"]) == {"f1": 1.0, "exact_match": 1.0}
+    assert coqa_scores("white", ["the"]) == {"f1": 0.0, "exact_match": 0.0}
 
 
 def test_rouge_l_is_the_union_lcs_over_distinct_words():
@@ -238,6 +242,8 @@ def test_longbench_bad_data_names_the_problem(tmp_path):
             get_task("longbench", data_dir=str(tmp_path), datasets=("trec",)).samples(Words(), None, 0)
     with pytest.raises(D2OError, match="Chinese"):
         get_task("longbench", data_dir=str(tmp_path), datasets=("dureader",))
+    with pytest.raises(D2OError, match="trec given twice in longbench's datasets"):
+        get_task("longbench", data_dir=str(tmp_path), datasets=("trec", "trec"))
     with pytest.raises(D2OError, match="unknown LongBench dataset"):
         get_task("longbench", data_dir=str(tmp_path), datasets=("nope",))
 

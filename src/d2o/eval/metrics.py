@@ -64,9 +64,19 @@ def leave_one_out(metric, prediction: str, golds: list[str]) -> float:
     return fmean(best_over(metric, prediction, golds[:i] + golds[i + 1:]) for i in range(len(golds)))
 
 
+def coqa_f1(prediction: str, gold: str) -> float:
+    """CoQA's F1: SQuAD's, except that an answer with no words left after normalisation scores 1
+    against another such answer (its official scorer's rule; SQuAD v1.1 scores it 0)."""
+    prediction_tokens, gold_tokens = normalize_answer(prediction).split(), normalize_answer(gold).split()
+    if not prediction_tokens or not gold_tokens:
+        return float(prediction_tokens == gold_tokens)
+    return token_f1(prediction_tokens, gold_tokens)
+
+
 def coqa_scores(prediction: str, golds: list[str]) -> dict[str, float]:
     """CoQA's official F1 and exact match (SQuAD's normalisation, ``leave_one_out`` over the golds)."""
-    return {"f1": leave_one_out(qa_f1, prediction, golds), "exact_match": leave_one_out(exact_match, prediction, golds)}
+    return {"f1": leave_one_out(coqa_f1, prediction, golds),
+            "exact_match": leave_one_out(exact_match, prediction, golds)}
 
 
 # -- ROUGE-L ------------------------------------------------------------------------------------

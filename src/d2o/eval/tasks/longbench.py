@@ -4,7 +4,10 @@ No LongBench data is reachable here: point the ``data_dir`` option (``--task-opt
 at LongBench's ``data`` folder. The per-dataset prompts, answer lengths, middle truncation,
 chat-template rule, first-line cut and metrics follow LongBench's ``pred.py``/``eval.py`` (restated; the prompts are the benchmark's
 own strings), except that the truncation keeps the question after the context whole where it fits
-(``truncate_middle``). Scores are in [0, 1] (LongBench prints them x100). The Chinese datasets are
+(``truncate_middle``), counts no start-of-sequence token (``pred.py`` counts the one its tokenizer
+adds: a one-token difference in the cut for such tokenizers), and samsum may end empty at its first
+token (``pred.py`` forbids a first end-of-sequence or newline token). Scores are in [0, 1]
+(LongBench prints them x100). The Chinese datasets are
 not supported: their metrics need jieba's word segmentation.
 """
 
@@ -17,7 +20,7 @@ from pathlib import Path
 from d2o.errors import D2OError
 from d2o.eval.metrics import classification_score, code_sim_score, count_score, qa_f1, retrieval_score, rouge_l
 from d2o.eval.tasks.base import Sample, Task, asked, chat_prompt, register_task, take
-from d2o.options import whole
+from d2o.options import distinct, whole
 
 PROMPTS = {
     "narrativeqa": "You are given a story, which can be either a novel or a movie script, and a question. Answer the question asconcisely as you can, using a single phrase if possible. Do not provide any explanation.\n\nStory: {context}\n\nNow, answer the question based on the story asconcisely as you can, using a single phrase if possible. Do not provide any explanation.\n\nQuestion: {input}\n\nAnswer:",
@@ -148,7 +151,7 @@ class LongBench(Task):
         folder = Path(self.data_dir)
         if not folder.is_dir():
             raise D2OError(f"LongBench data folder {self.data_dir!r} not found")
-        self.datasets = tuple(self.datasets)
+        self.datasets = distinct(tuple(self.datasets), "longbench's datasets")  # each would run twice
         for dataset in self.datasets:
             if base_name(dataset) in CHINESE:
                 raise D2OError(f"LongBench dataset {dataset!r} is Chinese: not supported (its metric needs jieba)")

@@ -10,7 +10,7 @@ from d2o.errors import D2OError
 from d2o.eval.metrics import normalize_answer
 from d2o.eval.tasks.base import Sample, Task, register_task
 from d2o.eval.tasks.passkey import sentence_boundary
-from d2o.options import whole
+from d2o.options import distinct, whole
 
 NEEDLE = "The secret ingredient in Grandma Rosa's famous lemonade is a pinch of smoked sea salt."
 QUESTION = "What is the secret ingredient in Grandma Rosa's famous lemonade?"
@@ -46,7 +46,9 @@ class NeedleInAHaystack(Task):
     fact: str = FACT
 
     def __post_init__(self):
-        self.lengths, self.depths = tuple(self.lengths), tuple(self.depths)
+        # A value given twice would make two samples of one id, both run and both counted.
+        self.lengths = distinct(tuple(self.lengths), "niah's lengths")
+        self.depths = distinct(tuple(self.depths), "niah's depths")
         if any(not 0.0 <= d <= 1.0 for d in self.depths):
             raise D2OError(f"depths must be between 0 and 1, got {self.depths}")
         if not normalize_answer(self.fact):
