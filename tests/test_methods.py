@@ -276,7 +276,7 @@ def test_pyramidkv_budgets_fall_with_depth_and_keep_the_mean():
     budgets = [int(layer.budget) for layer in cache.layers]
     assert budgets == sorted(budgets, reverse=True) and budgets[0] > budgets[-1]
     assert sum(budgets) == round(6 * 0.4 * 200)
-    assert min(budgets) >= 33  # the observation window + 1
+    assert min(budgets) >= cache.policy.min_layer_budget == 9  # its observation window (8, the authors') + 1
 
 
 def test_cam_merges_values_only_and_reproducibly():
