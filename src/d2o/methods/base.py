@@ -13,7 +13,9 @@ The engine asks it, in order:
 
 The engine then keeps, per row and KV head, the protected slots and the best-scoring others.
 Per-layer state a method needs beyond its slots is a typed ``RowState`` of its own
-(``new_layer_state``), and ``report`` returns its diagnostics.
+(``new_layer_state``), and ``report`` returns its diagnostics. A method that keeps slot state
+declares its size (``slot_state_bytes``): memory plans count it, and the test matrix holds every
+method to it.
 """
 
 from __future__ import annotations
