@@ -133,11 +133,11 @@ def _decode(decoding: Batch, most: int) -> tuple[float, int, int]:
     return perf_counter() - start, tokens, most
 
 
-def _warm_up(model, name: str, budget: Budget, ids: list[int]) -> None:
+def _warm_up(model, name: str, method, budget: Budget, ids: list[int]) -> None:
     """A short prefill and two decode steps of ``name``, outside the timings: one-time costs (thread
     pools, kernels' buffers, on a GPU its libraries' start) would land on whichever method ran first."""
     with torch.inference_mode(), stock_attention(model) if name == FULL else contextlib.nullcontext():
-        cache = DynamicCache(config=model.config) if name == FULL else CompressedCache(model, get_method(name), budget)
+        cache = DynamicCache(config=model.config) if name == FULL else CompressedCache(model, method, budget)
         decoding = Batch.prefill(model, cache, [ids], [Sequence(None, 3)])
         while decoding.sequences:
             decoding.step()
@@ -151,13 +151,12 @@ def bench_fit(model, tokenizer, cap: int, prompt: int, generate: int, methods: l
     check_length(model, prompt, generate)
     check_fit_generate(generate)
     prompt_of = row_prompts(tokenizer, model.config.get_text_config().vocab_size, prompt)
-    for name in methods:
-        get_method(name).check_budget(budget)
-        _warm_up(model, name, budget, prompt_of(0)[:WARM_UP_TOKENS])
-    rows = []
-    for name in methods:
-        method = get_method(name)
+    chosen = {name: get_method(name) for name in methods}
+    for name, method in chosen.items():
         method.check_budget(budget)
+        _warm_up(model, name, method, budget, prompt_of(0)[:WARM_UP_TOKENS])
+    rows = []
+    for name, method in chosen.items():
         need = plan(model.config, method, budget, prompt, generate, dtype_bytes, stock=name == FULL)
 
         none_fit = D2OError(f"a KV cap of {cap:,} bytes holds not one {prompt}+{generate}-token sequence "

@@ -57,7 +57,7 @@ def check_config(config: EvalConfig) -> tuple[Task, list[Budget]]:
     for what, names in (("methods", config.methods), ("budgets", config.budgets)):
         if not names:
             raise D2OError(f"no {what} given")
-        distinct(tuple(names), what)
+    distinct(tuple(config.methods), "methods")  # budgets: once parsed, below
     stray = sorted(set(config.method_options) - set(config.methods))
     if stray:
         raise D2OError(f"options for {', '.join(stray)}, which is not among the methods: {', '.join(config.methods)}")

@@ -87,14 +87,14 @@ class Engine:
             ids = encode(self.tokenizer, [prompt], chat)[0]
         except D2OError as error:
             raise APIError(400, str(error), "messages" if chat else "prompt") from None
+        limit = positions(self.model)
         if max_tokens is None:  # the default never makes a prompt that fits too long: it takes what is left
-            limit = positions(self.model)
             max_tokens = self.config.max_tokens if limit is None else max(1, min(self.config.max_tokens,
                                                                                  limit - len(ids)))
         try:
             check_length(self.model, len(ids), max_tokens)
         except D2OError as error:
-            prompt_fits = positions(self.model) is None or len(ids) < positions(self.model)
+            prompt_fits = limit is None or len(ids) < limit
             param = "max_tokens" if prompt_fits else "messages" if chat else "prompt"  # the part to shorten
             raise APIError(400, str(error), param, "context_length_exceeded") from None
         kv_plan = plan(self.model.config, method, budget, len(ids), max_tokens, self.dtype_bytes)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr, field_validator, model_validator
 
@@ -59,6 +59,7 @@ class Generation(BaseModel):
     stream_options: Optional[StreamOptions] = None
     kv_method: Optional[str] = None
     kv_budget: Union[StrictInt, StrictFloat, StrictStr, None] = None  # strict: true is not a budget of 1
+    off_values: ClassVar[dict] = NOT_SUPPORTED  # per endpoint: what asks for nothing differs
     # Not supported (see NOT_SUPPORTED): any value, so the refusal names the field whatever its type.
     logprobs: Any = None
     top_logprobs: Any = None
@@ -86,7 +87,7 @@ class Generation(BaseModel):
     @field_validator(*NOT_SUPPORTED)
     @classmethod
     def _not_supported(cls, value, info):
-        if value is not None and value not in NOT_SUPPORTED[info.field_name]:
+        if value is not None and value not in cls.off_values[info.field_name]:
             raise ValueError(f"{info.field_name} is not supported by this server")
         return value
 
@@ -142,13 +143,8 @@ class ChatRequest(Generation):
 class CompletionRequest(Generation):
     prompt: Union[str, list[str]]
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, value):
-        # Completions return the sampled token's log probability for logprobs=0: only null asks for none.
-        if value is not None:
-            raise ValueError("logprobs is not supported by this server")
-        return value
+    # Completions return the sampled token's log probability for logprobs=0: only null asks for none.
+    off_values: ClassVar[dict] = {**NOT_SUPPORTED, "logprobs": ()}
 
     @field_validator("prompt")
     @classmethod
