@@ -324,6 +324,7 @@ def test_the_mass_correction_reaches_the_model_through_sdpa_and_eager():
     ({"max_merges": -1}, "max_merges=-1"),
     ({"skip_first": 1.5}, "skip_first=1.5"),
     ({"skip_newest": -2}, "skip_newest=-2"),
+    ({"min_distance": 2.5}, "min_distance=2.5"),
     ({"mass": "yes"}, "mass='yes'"),
     ({"weighting": "mean"}, "weighting=.mean. must be one of paper, official, normalized, count, attention"),
     ({"attention": "surprisal"}, "attention=.surprisal. must be one of votes, mass"),
@@ -346,6 +347,23 @@ def test_merge_options_values_only_cap_and_skipped_targets():
     assert int(count) == 2 * 2 and layer.slot_state["merges"][0, :, 2].tolist() == [2, 2]
     layer, count = merged_layer(SimilarityMerge(skip_first=3), keys, values, keep, evict, tau=low)
     assert int(layer.slot_state["merges"][0, :, :3].sum()) == 0 and int(count) > 0  # 0, 1, 2 may not absorb
+
+
+def test_min_distance_sends_a_token_past_its_neighbours_or_drops_it():
+    """Token 4 is a copy of its neighbour 3 and nearly of token 8: with min_distance=1 it merges
+    into 8 instead of 3; with min_distance=4 no slot may take it, so it is dropped."""
+    keys, values = identical_tokens_layer(n_same=2)  # tokens 2 and 3 alike
+    keys[:, :, 4] = keys[:, :, 3]
+    keys[:, :, 8] = keys[:, :, 3] + 0.05 * torch.randn(8, dtype=torch.float64)
+    keep, evict = torch.tensor([0, 3, 8]).expand(1, 2, 3), torch.tensor([4]).expand(1, 2, 1)
+    low = torch.full((1,), -1.0)
+    for distance, into in ((0, 1), (1, 2)):
+        layer, count = merged_layer(SimilarityMerge(min_distance=distance), keys, values, keep, evict, tau=low)
+        assert int(count) == 2 and layer.slot_state["merges"][0, :, into].tolist() == [1, 1]
+        assert not torch.equal(layer.values[:, :, into], values[:, :, keep[0, 0, into]])
+    layer, count = merged_layer(SimilarityMerge(min_distance=4), keys, values, keep, evict, tau=low)
+    assert int(count) == 0
+    torch.testing.assert_close(layer.values, values.gather(2, keep[..., None].expand(-1, -1, -1, 8)))
 
 
 @pytest.mark.parametrize("attention", ["votes", "mass"])
@@ -389,6 +407,7 @@ def test_attention_weighting_needs_the_state_it_reads():
     SimilarityMerge(),
     SimilarityMerge(weighting="official", decision="mean_over_heads"),
     SimilarityMerge(values_only=True, mass=True, weighting="count", skip_first=1, skip_newest=1, max_merges=1),
+    SimilarityMerge(min_distance=2),
 ])
 def test_layers_merged_in_one_call_equal_each_merged_alone(merge):
     """A decode step hands every layer to one merge call, which stacks their rows: each layer must

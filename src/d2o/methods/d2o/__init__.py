@@ -11,6 +11,8 @@ variant("d2o-plus-papermerge", "d2o-plus ablation: D2O's own merging (the paper'
 variant("d2o-plus-countmerge", "d2o-plus ablation: values blended by token count, one per kept slot, not by attention",
         D2OPlus, merge=lambda: SimilarityMerge(values_only=True, mass=True, weighting="count", max_merges=1,
                                                skip_first=4, skip_newest=1))
+variant("d2o-plus-nearmerge", "d2o-plus ablation: evicted tokens may merge into their neighbours (no min_distance)",
+        D2OPlus, merge=lambda: attention_weighted_merge(min_distance=0))
 variant("d2o-plus-nomass", "d2o-plus ablation: merged slots get the attention of one token (no mass correction)",
         D2OPlus, merge=lambda: attention_weighted_merge(mass=False))
 variant("d2o-plus-nowindow", "d2o-plus ablation: no observation-window share (merging weighs accumulated attention)",

@@ -64,7 +64,12 @@ class SimilarityMerge:
     ``values_only``, the kept slot keeps its own key (RoPE-consistent) and only values merge;
     ``max_merges``, a kept slot absorbs at most that many evicted tokens (the most similar first);
     ``skip_first``/``skip_newest``, the first tokens (attention sinks) and the newest ones (1: the
-    current token) never absorb."""
+    current token) never absorb; ``min_distance``, a token is never merged into a slot within that
+    many positions of it (it goes to its most similar slot further away, if that passes the
+    threshold): a phrase is read forward one token at a time, each found by the one before, and
+    two neighbouring words folded into one slot leave nothing to step to. Their keys are alike
+    largely through RoPE's nearby positions, not their content, so without it most of what merges
+    into a needle's kept words is its own evicted words."""
 
     alpha: float = 0.5
     on: str = "key"
@@ -75,6 +80,7 @@ class SimilarityMerge:
     max_merges: int | None = None
     skip_first: int = 0
     skip_newest: int = 0
+    min_distance: int = 0
     attention: str = VOTES
 
     def __post_init__(self):
@@ -87,7 +93,7 @@ class SimilarityMerge:
                 raise D2OError(f"{name}={value!r} must be one of {', '.join(allowed)}")
         if self.max_merges is not None and (not whole(self.max_merges) or self.max_merges < 0):
             raise D2OError(f"max_merges={self.max_merges!r} must be a whole number >= 0 (or None: no cap)")
-        for name in ("skip_first", "skip_newest"):
+        for name in ("skip_first", "skip_newest", "min_distance"):
             value = getattr(self, name)
             if not whole(value) or value < 0:
                 raise D2OError(f"{name}={value!r} must be a whole number >= 0")
@@ -148,12 +154,13 @@ class SimilarityMerge:
         on = "keys" if self.on == "key" else "values"
         sources = as_dtype(_stack([getattr(gone, on) for gone in evicted]), torch.float32)
         sources = torch.nn.functional.normalize(sources, dim=-1)
-        similar = [most_similar(normalized, getattr(layer, on), self._barred(layer))
-                   for layer, normalized in zip(layers, sources.split(batch))]
+        similar = [most_similar(normalized, getattr(layer, on), self._barred(layer),
+                                self._near(layer, lost) if self.min_distance else None)
+                   for layer, lost, normalized in zip(layers, evicted, sources.split(batch))]
         best, target = _stack([b for b, _ in similar]), _stack([t for _, t in similar])  # (L*B, G, E)
         valid = _stack([gone.valid for gone in evicted])  # (L*B, E)
         gone = valid[:, None, :]
-        if self.skip_first or self.skip_newest:  # a token with no slot left to absorb it is just dropped
+        if self.skip_first or self.skip_newest or self.min_distance:  # no slot left to absorb it: just dropped
             gone = gone & (best > NO_TARGET)
 
         # One threshold per row: EMA of the mean best similarity over heads and evicted tokens; a row
@@ -196,6 +203,14 @@ class SimilarityMerge:
         if self.skip_newest:
             barred = barred | (layer.token_index >= (layer.real_seen - self.skip_newest)[:, None, None])
         return barred
+
+    def _near(self, layer, evicted: Evicted):
+        """The kept slots within ``min_distance`` positions of each evicted token, as a function of a
+        slice of the evicted tokens ((B, G, e, N) bool), so that no (E, N) matrix is held whole."""
+        def near(part: slice) -> torch.Tensor:
+            gap = evicted.token_index[:, :, part, None] - layer.token_index[:, :, None, :]
+            return gap.abs() <= self.min_distance
+        return near
 
     def _fold(self, layers: list, evicted: list[Evicted], rows: list[slice], best, target, merged) -> None:
         """Write the merged vectors (and, with ``mass``, the slots' new weights) into the layers.
@@ -298,9 +313,10 @@ def rank_within_target(target: torch.Tensor, merged: torch.Tensor, best: torch.T
     return torch.empty_like(rank).scatter_(-1, order, rank)
 
 
-def most_similar(sources: torch.Tensor, targets: torch.Tensor, barred: torch.Tensor):
+def most_similar(sources: torch.Tensor, targets: torch.Tensor, barred: torch.Tensor, near=None):
     """Best cosine similarity of each source (B, G, E, D), normalised already, with a target
-    (B, G, K, D) that is not ``barred`` (per KV head, (B, G, K)), and its index.
+    (B, G, K, D) that is not ``barred`` (per KV head, (B, G, K)), nor marked by ``near(part)`` (if
+    given: (B, G, e, K) for the sources of the slice ``part`` of E), and its index.
 
     The targets are the whole kept cache, at every decode step: their dot products with the
     sources are divided by their norms rather than normalising them, so they are read twice and
@@ -312,9 +328,12 @@ def most_similar(sources: torch.Tensor, targets: torch.Tensor, barred: torch.Ten
     batch, heads, n_sources, _ = sources.shape
     chunk = max(1, CHUNK_ELEMENTS // max(1, batch * heads * targets.shape[2]))
     best, index = [], []
-    for part in (sources,) if n_sources <= chunk else sources.split(chunk, dim=2):
-        similarity = torch.matmul(part, targets_t).mul_(target_scale)
-        values, indices = similarity.masked_fill_(barred, NO_TARGET).max(dim=-1)
+    for start in range(0, max(n_sources, 1), chunk):
+        part = slice(start, min(start + chunk, n_sources))
+        similarity = torch.matmul(sources[:, :, part], targets_t).mul_(target_scale).masked_fill_(barred, NO_TARGET)
+        if near is not None:
+            similarity.masked_fill_(near(part), NO_TARGET)
+        values, indices = similarity.max(dim=-1)
         best.append(values)
         index.append(indices)
     if len(best) == 1:
