@@ -366,6 +366,19 @@ def test_min_distance_sends_a_token_past_its_neighbours_or_drops_it():
     torch.testing.assert_close(layer.values, values.gather(2, keep[..., None].expand(-1, -1, -1, 8)))
 
 
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_a_token_no_slot_may_take_is_left_out_of_the_threshold_whatever_the_kv_heads(kv_heads):
+    """Token 7 has no slot to go to (0 and 1 are sinks, 6 its neighbour), token 3 has slot 6: the
+    first threshold is the mean best similarity of the tokens that had a slot, token 3's alone,
+    with one KV head as with two."""
+    keys, values = identical_tokens_layer()
+    keys, values = keys[:, :kv_heads].contiguous(), values[:, :kv_heads].contiguous()
+    keep, evict = torch.tensor([0, 1, 6]).expand(1, kv_heads, 3), torch.tensor([3, 7]).expand(1, kv_heads, 2)
+    layer, _ = merged_layer(SimilarityMerge(skip_first=2, min_distance=1), keys, values, keep, evict)
+    expected = torch.nn.functional.cosine_similarity(keys[0, :, 3], keys[0, :, 6], dim=-1).mean()
+    torch.testing.assert_close(layer.state.tau.double(), expected[None], rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("attention", ["votes", "mass"])
 def test_attention_weighting_blends_by_the_attention_each_token_received(attention):
     """weighting="attention": an evicted token weighs what its attention says against its target's

@@ -148,7 +148,7 @@ class SimilarityMerge:
 
     def _merge_stacked(self, layers: list, evicted: list[Evicted]) -> list[torch.Tensor]:
         """``merge`` for layers that evict E tokens per row and KV head each, rows of all stacked."""
-        batch, heads, width = evicted[0].token_index.shape
+        batch = evicted[0].token_index.shape[0]
         rows = [slice(i * batch, (i + 1) * batch) for i in range(len(layers))]
 
         on = "keys" if self.on == "key" else "values"
@@ -165,7 +165,7 @@ class SimilarityMerge:
 
         # One threshold per row: EMA of the mean best similarity over heads and evicted tokens; a row
         # that evicted nothing keeps its threshold.
-        count = gone.sum((1, 2)) if gone.shape[1] > 1 else valid.sum(-1) * heads
+        count = gone.expand_as(best).sum((1, 2))  # per head: a token may have a slot in one head, none in another
         mean_best = (best * gone).sum((1, 2)) / count.clamp_min(1)
         previous = _stack([layer.state.tau if layer.state.tau is not None else mean_best.new_full((batch,), math.nan)
                           for layer in layers])
