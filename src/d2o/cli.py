@@ -201,6 +201,24 @@ def evaluate(
 
 
 @app.command()
+def compare(
+    results: list[Path] = typer.Argument(..., help="Folders d2o eval wrote (--out); those of one task, protocol "
+                                         "and model are also pooled."),
+    method: str = typer.Option(..., help="The method compared."),
+    against: str = typer.Option(..., help="The method it is compared against (full: the full cache)."),
+    confidence: float = typer.Option(0.95, help="The interval's coverage."),
+    resamples: int = typer.Option(10_000, help="Bootstrap draws."),
+    seed: int = typer.Option(0, help="The bootstrap's seed."),
+):
+    """Paired differences of two methods per budget, with a bootstrap interval: is a gap more than noise?"""
+    from d2o.eval.compare import compare as run_compare
+    from d2o.eval.compare import markdown
+
+    comparisons = run_compare(results, method, against, resamples, confidence, seed)
+    print(markdown(comparisons, method, against, confidence), end="")
+
+
+@app.command()
 def tasks():
     """List the evaluation tasks and their options."""
     from dataclasses import fields

@@ -11,7 +11,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from d2o.eval.results import FULL_BUDGET, _budget_key  # noqa: E402
+from d2o.eval.results import FULL_BUDGET, budget_order  # noqa: E402
 
 
 def write_plots(out: Path, lines: list[dict], rows: list[dict], task) -> list[Path]:
@@ -31,7 +31,7 @@ def score_vs_budget(out: Path, rows: list[dict], task) -> Path | None:
     figure, axes = plt.subplots(1, len(labels), figsize=(5.5 * len(labels), 4), squeeze=False)
     for axis, label in zip(axes[0], labels):
         mine = [r for r in rows if r["task"] == label]
-        budgets = sorted({r["budget"] for r in mine if r["method"] != "full"}, key=_budget_key)
+        budgets = sorted({r["budget"] for r in mine if r["method"] != "full"}, key=budget_order)
         for method in dict.fromkeys(r["method"] for r in mine):
             points = {r["budget"]: r["score"] for r in mine if r["method"] == method}
             if method == "full":
@@ -55,7 +55,7 @@ def niah_heatmaps(out: Path, lines: list[dict]) -> list[Path]:
     depths = sorted({key[2] for key in cells})
     lengths = sorted({key[3] for key in cells})
     paths = []
-    for budget in sorted({key[0] for key in cells if key[1] != "full"}, key=_budget_key):
+    for budget in sorted({key[0] for key in cells if key[1] != "full"}, key=budget_order):
         methods = list(dict.fromkeys(key[1] for key in cells if key[0] in (budget, FULL_BUDGET)))
         columns = min(5, len(methods))
         rows = -(-len(methods) // columns)
@@ -88,7 +88,7 @@ def layer_budgets(out: Path, lines: list[dict]) -> list[Path]:
     if not series:
         return []
     figure, axis = plt.subplots(figsize=(7, 4))
-    for (method, budget), runs in sorted(series.items(), key=lambda item: (item[0][0], _budget_key(item[0][1]))):
+    for (method, budget), runs in sorted(series.items(), key=lambda item: (item[0][0], budget_order(item[0][1]))):
         axis.plot([fmean(values) for values in zip(*runs)], marker=".", label=f"{method} @ {budget}")
     axis.axhline(1.0, color="black", linewidth=0.8)
     axis.set_xlabel("layer")
@@ -103,7 +103,7 @@ def perplexity_curves(out: Path, lines: list[dict], window: int) -> list[Path]:
     """Per budget, each method's perplexity per ``window`` of predicted tokens, at the window's end."""
     paths = []
     full = next((line for line in lines if line["method"] == "full"), None)
-    for budget in sorted({line["budget"] for line in lines if line["method"] != "full"}, key=_budget_key):
+    for budget in sorted({line["budget"] for line in lines if line["method"] != "full"}, key=budget_order):
         figure, axis = plt.subplots(figsize=(7, 4))
         chosen = [line for line in lines if line["budget"] == budget and line["method"] != "full"]
         for line in ([full] if full else []) + chosen:

@@ -85,10 +85,10 @@ def summarize(lines: list[dict], config) -> list[dict]:
          "n": len(group), "kv_share": round(fmean(run["kv_tokens_kept"] / run["kv_tokens_full"] for run in group), 3)}
         for (label, method, budget), group in groups.items()
     ]
-    return sorted(rows, key=lambda r: (r["task"], order[r["method"]], _budget_key(r["budget"])))
+    return sorted(rows, key=lambda r: (r["task"], order[r["method"]], budget_order(r["budget"])))
 
 
-def _budget_key(budget: str):
+def budget_order(budget: str):
     return (0, float(budget)) if not budget.endswith("t") else (1, float(budget[:-1]))
 
 
@@ -111,7 +111,7 @@ def write_summaries(out: Path, rows: list[dict], task, config) -> None:
 def markdown_table(rows: list[dict], task, config) -> str:
     """Per task label: the scores, then the share of the full cache's KV tokens each run held at
     its end; methods as rows, budgets as columns (the full cache in every column)."""
-    budgets = sorted({r["budget"] for r in rows if r["method"] != "full"}, key=_budget_key) or [FULL_BUDGET]
+    budgets = sorted({r["budget"] for r in rows if r["method"] != "full"}, key=budget_order) or [FULL_BUDGET]
     direction = "higher is better" if task.higher_is_better else "lower is better"
     parts = [f"Model `{config.model}`, seed {config.seed}; score: {task.metrics[0]} ({direction}), "
              f"mean over n samples.\n"]
