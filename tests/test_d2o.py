@@ -258,16 +258,18 @@ def identical_tokens_layer(n_same: int = 3):
     return keys, values
 
 
-def test_a_slot_standing_for_identical_tokens_gets_their_attention_and_statistics():
-    """With the mass correction, merging n identical tokens into one slot is lossless: the output
-    and the statistics of any query equal those over the n tokens uncompressed."""
+@pytest.mark.parametrize("blend", [True, False])
+def test_a_slot_standing_for_identical_tokens_gets_their_attention_and_statistics(blend):
+    """With the mass correction, merging n identical tokens into one slot is lossless, whether the
+    vectors blend or only the weight moves: the output and the statistics of any query equal those
+    over the n tokens uncompressed."""
     from d2o.engine.attention import _one_query_attention
     from d2o.engine.stats import StatsRequest, attention_stats
 
     keys, values = identical_tokens_layer()
     keep = torch.tensor([0, 1, 2, 5, 6, 7, 8]).expand(1, 2, 7)
     low = torch.zeros(1)  # a low running threshold: every identical token merges (not what is tested here)
-    layer, count = merged_layer(SimilarityMerge(mass=True, weighting="count"), keys, values, keep,
+    layer, count = merged_layer(SimilarityMerge(mass=True, weighting="count", blend=blend), keys, values, keep,
                                 torch.tensor([3, 4]).expand(1, 2, 2), tau=low)
     assert int(count) == 4  # both tokens, in both KV heads
     torch.testing.assert_close(layer.log_weight[0, :, 2], torch.full((2,), math.log(3), dtype=torch.float32))
@@ -326,6 +328,8 @@ def test_the_mass_correction_reaches_the_model_through_sdpa_and_eager():
     ({"skip_newest": -2}, "skip_newest=-2"),
     ({"min_distance": 2.5}, "min_distance=2.5"),
     ({"mass": "yes"}, "mass='yes'"),
+    ({"blend": "no"}, "blend='no' must be true or false"),
+    ({"blend": False}, "blend=False keeps the kept slots' vectors as they are: without mass=True"),
     ({"weighting": "mean"}, "weighting=.mean. must be one of paper, official, normalized, count, attention"),
     ({"attention": "surprisal"}, "attention=.surprisal. must be one of votes, mass"),
 ])
@@ -379,10 +383,12 @@ def test_a_token_no_slot_may_take_is_left_out_of_the_threshold_whatever_the_kv_h
     torch.testing.assert_close(layer.state.tau.double(), expected[None], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("blend", [True, False])
 @pytest.mark.parametrize("attention", ["votes", "mass"])
-def test_attention_weighting_blends_by_the_attention_each_token_received(attention):
+def test_attention_weighting_blends_by_the_attention_each_token_received(attention, blend):
     """weighting="attention": an evicted token weighs what its attention says against its target's
-    (never more than the tokens it stands for); the slot's log weight grows by as much."""
+    (never more than the tokens it stands for); the slot's log weight grows by as much. With
+    ``blend=False`` the weight grows alike and the slot keeps its value."""
     keys, values = identical_tokens_layer(n_same=2)  # token 3 is a copy of token 2: it merges there
     values[:, :, 3] = torch.randn(8, dtype=torch.float64)  # ... but carries another value
     keep, evict = torch.tensor([0, 1, 2, 5, 6, 7, 8]).expand(1, 2, 7), torch.tensor([3]).expand(1, 2, 1)
@@ -398,10 +404,13 @@ def test_attention_weighting_blends_by_the_attention_each_token_received(attenti
         layer.state = MergeState(tau=torch.zeros(1))
         evicted = layer.evicted(evict, torch.ones(1, 1, dtype=torch.bool))
         layer.keep(keep, torch.ones(1, 7, dtype=torch.bool))
-        merge = SimilarityMerge(values_only=True, mass=True, weighting="attention", attention=attention)
+        merge = SimilarityMerge(values_only=True, mass=True, weighting="attention", attention=attention, blend=blend)
         assert int(merge.merge([layer], [evicted])[0]) == 2
         blended = (values[:, :, 2] + expected_weight * values[:, :, 3]) / (1 + expected_weight)
-        torch.testing.assert_close(layer.values[:, :, 2], blended)
+        if blend:
+            torch.testing.assert_close(layer.values[:, :, 2], blended)
+        else:  # every value as it was
+            assert torch.equal(layer.values, values.gather(2, keep[..., None].expand(-1, -1, -1, 8)))
         torch.testing.assert_close(layer.log_weight[0, :, 2], torch.full((2,), math.log(1 + expected_weight)))
         torch.testing.assert_close(layer.keys, keys.gather(2, keep[..., None].expand(-1, -1, -1, 8)))
 
@@ -421,6 +430,7 @@ def test_attention_weighting_needs_the_state_it_reads():
     SimilarityMerge(weighting="official", decision="mean_over_heads"),
     SimilarityMerge(values_only=True, mass=True, weighting="count", skip_first=1, skip_newest=1, max_merges=1),
     SimilarityMerge(min_distance=2),
+    SimilarityMerge(mass=True, blend=False, weighting="count"),
 ])
 def test_layers_merged_in_one_call_equal_each_merged_alone(merge):
     """A decode step hands every layer to one merge call, which stacks their rows: each layer must

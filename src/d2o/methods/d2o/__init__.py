@@ -15,6 +15,8 @@ variant("d2o-plus-nearmerge", "d2o-plus ablation: evicted tokens may merge into 
         D2OPlus, merge=lambda: attention_weighted_merge(min_distance=0))
 variant("d2o-plus-nomass", "d2o-plus ablation: merged slots get the attention of one token (no mass correction)",
         D2OPlus, merge=lambda: attention_weighted_merge(mass=False))
+variant("d2o-plus-noblend", "d2o-plus ablation: merged slots keep their value; only their attention mass grows",
+        D2OPlus, merge=lambda: attention_weighted_merge(blend=False))
 variant("d2o-plus-nowindow", "d2o-plus ablation: no observation-window share (merging weighs accumulated attention)",
         D2OPlus, scoring=lambda: BlendedScores(window=0), merge=lambda: attention_weighted_merge("mass"))
 variant("d2o-plus-nosurprisal", "d2o-plus ablation: no surprisal share", D2OPlus,

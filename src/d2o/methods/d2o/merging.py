@@ -62,6 +62,9 @@ class SimilarityMerge:
     Options beyond the paper (all off in ``d2o``): ``mass``, a slot standing for n tokens gets
     log n added to its attention logits (and statistics), so it receives the attention of n tokens;
     ``values_only``, the kept slot keeps its own key (RoPE-consistent) and only values merge;
+    ``blend=False`` (with ``mass``), it keeps its value too and only its weight grows: the evicted
+    tokens' attention goes to the kept slot's own value, so what a later query reads is never a
+    mixture;
     ``max_merges``, a kept slot absorbs at most that many evicted tokens (the most similar first);
     ``skip_first``/``skip_newest``, the first tokens (attention sinks) and the newest ones (1: the
     current token) never absorb; ``min_distance``, a token is never merged into a slot within that
@@ -77,6 +80,7 @@ class SimilarityMerge:
     decision: str = "per_head"
     mass: bool = False
     values_only: bool = False
+    blend: bool = True
     max_merges: int | None = None
     skip_first: int = 0
     skip_newest: int = 0
@@ -97,9 +101,12 @@ class SimilarityMerge:
             value = getattr(self, name)
             if not whole(value) or value < 0:
                 raise D2OError(f"{name}={value!r} must be a whole number >= 0")
-        for name in ("mass", "values_only"):
+        for name in ("mass", "values_only", "blend"):
             if not isinstance(getattr(self, name), bool):
                 raise D2OError(f"{name}={getattr(self, name)!r} must be true or false")
+        if not self.blend and not self.mass:
+            raise D2OError("blend=False keeps the kept slots' vectors as they are: without mass=True a merge "
+                           "would change nothing")
 
     @property
     def reads(self) -> tuple[str, ...]:
@@ -213,7 +220,7 @@ class SimilarityMerge:
         return near
 
     def _fold(self, layers: list, evicted: list[Evicted], rows: list[slice], best, target, merged) -> None:
-        """Write the merged vectors (and, with ``mass``, the slots' new weights) into the layers.
+        """Write the merged vectors (unless ``blend`` is off) and, with ``mass``, the slots' new weights.
 
         A kept slot c receiving tokens becomes (w_c * c + sum_e w_e * e) / (d_c + sum_e d_e), with the
         weights w and denominators d of ``weighting``; the others are left exactly as they are. The
@@ -238,7 +245,7 @@ class SimilarityMerge:
             self_weight, source_weight = 1.0, best
         source_weight = torch.where(merged, source_weight, 0.0)
         counts = merged.float() if self.weighting == "official" else source_weight
-        if target.shape[-1] == 1:  # a decode step: at most one evicted token per row and head, so one target
+        if self.blend and target.shape[-1] == 1:  # a decode step: at most one evicted token per row and head
             # As shares of the denominator: a slot that absorbs nothing keeps exactly 1 x itself + 0.
             denominator = self_weight + counts
             own_share, source_share = (self_weight / denominator)[..., None], (source_weight / denominator)[..., None]
@@ -253,7 +260,7 @@ class SimilarityMerge:
                 blended = torch.addcmul(current * own_share, sources, source_share).to(stored[0].dtype)
                 for kept, index, new in zip(stored, flat, blended.split(batch)):
                     kept.view(-1, kept.shape[-1]).index_copy_(0, index, new.view(-1, kept.shape[-1]))
-        else:
+        elif self.blend:
             for layer, gone, row in zip(layers, evicted, rows):
                 self._fold_many(layer, gone, target[row], merged[row], source_weight[row], counts[row])
         if self.mass:  # a slot's weight: the tokens it now stands for (as much of them as its attention says)

@@ -23,10 +23,10 @@ from d2o.methods.scoring import BlendedScores, Scoring
 READ_AHEAD = BlendedScores.span[1]
 
 
-def attention_weighted_merge(attention: str = "votes", mass: bool = True, min_distance: int = READ_AHEAD
-                             ) -> SimilarityMerge:
+def attention_weighted_merge(attention: str = "votes", mass: bool = True, min_distance: int = READ_AHEAD,
+                             blend: bool = True) -> SimilarityMerge:
     return SimilarityMerge(values_only=True, mass=mass, weighting="attention", attention=attention, skip_first=4,
-                           skip_newest=1, min_distance=min_distance)
+                           skip_newest=1, min_distance=min_distance, blend=blend)
 
 
 @register
@@ -53,7 +53,9 @@ class D2OPlus(D2O):
       what merged into a needle's kept words was its own evicted words, two words blended into one
       slot where the answer reads them one after the other (``d2o-plus-nearmerge``). Weighted by
       token count instead (each kept slot taking one token, half its value), merging cost the
-      needle its words (``d2o-plus-countmerge``).
+      needle its words (``d2o-plus-countmerge``). With the question asked only after compression,
+      the blend is what costs (the latest queries were the context's own): ``d2o-plus-noblend``
+      moves the mass alone and takes back most of that cost, with the merge's perplexity gain.
 
     The spans, the vote rule, the surprisal weight and the merge's weighting were chosen on a
     development seed of the passkey and NIAH tasks (seed 1) and, for the merge, the perplexity of
