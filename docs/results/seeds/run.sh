@@ -6,7 +6,7 @@
 set -euo pipefail
 D2O=${D2O:-.venv/bin/d2o}
 OUT=${OUT:-docs/results/seeds}
-M=full,tova,snapkv,roco,d2o,d2o-nomerge,d2o-plus,d2o-plus-nomerge,d2o-plus-nearmerge,d2o-plus-nomass
+M=full,tova,snapkv,roco,d2o,d2o-nomerge,d2o-plus,d2o-plus-nomerge,d2o-plus-nearmerge,d2o-plus-nomass,d2o-plus-noblend
 NIAH="--task-option lengths=500,1000,2000 --task-option depths=0,0.25,0.5,0.75,1"
 for seed in ${*:-3 4}; do
   for protocol in prompt context; do
