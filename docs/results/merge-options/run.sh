@@ -13,10 +13,11 @@ declare -A OPTIONS=(
   [max_merges]="merge.max_merges=1"
   [skip]="merge.skip_first=4 merge.skip_newest=1"
   [min_distance]="merge.min_distance=8"
+  [mass_only]="merge.mass=true merge.blend=false"
   [together]="merge.mass=true merge.values_only=true merge.weighting=normalized merge.max_merges=1 merge.skip_first=4 merge.skip_newest=1"
 )
 NIAH="--task-option lengths=500,1000,2000 --task-option depths=0,0.25,0.5,0.75,1"
-VARIANTS=${*:-mass values_only normalized max_merges skip min_distance together}
+VARIANTS=${*:-mass values_only normalized max_merges skip min_distance mass_only together}
 for variant in $VARIANTS; do
   opts=()
   for option in ${OPTIONS[$variant]}; do opts+=(--option "d2o.$option"); done
