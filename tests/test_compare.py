@@ -111,3 +111,14 @@ def test_the_command_prints_the_table(monkeypatch, capsys, tmp_path):
     assert out.splitlines()[2] == f"| {folder} | 0.2 | 2 | 1.000 | 0.500 | +0.500 | [+0.000, +1.000] | 1 / 0 / 1 |"
     code, _, err = run_cli(monkeypatch, capsys, "compare", str(folder), "--method", "a", "--against", "z")
     assert code == 2 and err.strip() == f"error: {folder} holds no run of 'z'; it holds a, b"
+
+
+def test_resamples_drawn_in_blocks_are_those_drawn_at_once(tmp_path, monkeypatch):
+    """The bootstrap draws its indices a block at a time (memory bounded): the interval is the one
+    a single draw of every index gives, block boundaries falling mid-way."""
+    folder = write_folder(tmp_path / "r", scores("a", "0.2", [i % 3 / 2 for i in range(40)])
+                          + scores("b", "0.2", [i % 5 / 4 for i in range(40)]))
+    at_once = compare([folder], "a", "b", resamples=1_000, seed=7)[0]
+    monkeypatch.setattr("d2o.eval.compare.RESAMPLE_BLOCK", 40 * 3 + 7)  # 3 draws a block, 334 blocks
+    blocked = compare([folder], "a", "b", resamples=1_000, seed=7)[0]
+    assert (blocked.low, blocked.high) == (at_once.low, at_once.high) and at_once.low < at_once.high

@@ -21,6 +21,8 @@ from d2o.errors import D2OError
 from d2o.eval.results import FULL_BUDGET, SampleStore, budget_order
 from d2o.eval.sweep import recorded_identity
 
+RESAMPLE_BLOCK = 1 << 20  # bootstrap indices drawn at once (8 MiB): 10,000 draws of 5,000 samples would be 400 MiB
+
 
 @dataclass(frozen=True)
 class Comparison:
@@ -147,13 +149,22 @@ def compare(paths: list[Path], method: str, against: str, resamples: int = 10_00
 def _compare(results, budget, ours, theirs, folder: Folder, resamples, confidence, rng) -> Comparison:
     ours, theirs = np.asarray(ours, dtype=np.float64), np.asarray(theirs, dtype=np.float64)
     differences = ours - theirs
-    means = differences[rng.integers(0, len(differences), (resamples, len(differences)))].mean(axis=1)
+    means = _resampled_means(differences, resamples, rng)
     tail = (1 - confidence) / 2
     low, high = np.quantile(means, [tail, 1 - tail])
     sign = 1 if folder.higher_is_better else -1
     return Comparison(results, budget, len(differences), float(ours.mean()), float(theirs.mean()),
                       float(differences.mean()), float(low), float(high), int((sign * differences > 0).sum()),
                       int((sign * differences < 0).sum()), folder.log_scale)
+
+
+def _resampled_means(differences: np.ndarray, resamples: int, rng) -> np.ndarray:
+    """The means of ``resamples`` draws with replacement, drawn a block at a time so that the
+    indices held never exceed ``RESAMPLE_BLOCK`` whatever the number of samples."""
+    n = len(differences)
+    per_block = max(1, RESAMPLE_BLOCK // n)
+    return np.concatenate([differences[rng.integers(0, n, (min(per_block, resamples - start), n))].mean(axis=1)
+                           for start in range(0, resamples, per_block)])
 
 
 def markdown(comparisons: list[Comparison], method: str, against: str, confidence: float) -> str:
