@@ -13,11 +13,13 @@ variant("d2o-plus-countmerge", "d2o-plus ablation: values blended by token count
                                                skip_first=4, skip_newest=1))
 variant("d2o-plus-nearmerge", "d2o-plus ablation: evicted tokens may merge into their neighbours (no min_distance)",
         D2OPlus, merge=lambda: attention_weighted_merge(min_distance=0))
-variant("d2o-plus-nomass", "d2o-plus ablation: merged slots get the attention of one token (no mass correction)",
-        D2OPlus, merge=lambda: attention_weighted_merge(mass=False))
-variant("d2o-plus-noblend", "d2o-plus ablation: merged slots keep their value; only their attention mass grows",
-        D2OPlus, merge=lambda: attention_weighted_merge(blend=False))
-variant("d2o-plus-nowindow", "d2o-plus ablation: no observation-window share (merging weighs accumulated attention)",
+variant("d2o-plus-blend", "d2o-plus ablation: evicted values blended into the slot too, by the attention each received",
+        D2OPlus, merge=lambda: attention_weighted_merge(blend=True))
+variant("d2o-plus-blend-nomass", "d2o-plus-blend without the mass correction: a merged slot is attended as one token",
+        D2OPlus, merge=lambda: attention_weighted_merge(blend=True, mass=False))
+variant("d2o-plus-blend-nearmerge", "d2o-plus-blend with merges into neighbours (no min_distance)",
+        D2OPlus, merge=lambda: attention_weighted_merge(blend=True, min_distance=0))
+variant("d2o-plus-nowindow", "d2o-plus without the last queries' votes: for a context compressed before its question",
         D2OPlus, scoring=lambda: BlendedScores(window=0), merge=lambda: attention_weighted_merge("mass"))
 variant("d2o-plus-nosurprisal", "d2o-plus ablation: no surprisal share", D2OPlus,
         scoring=lambda: BlendedScores(surprisal=0.0))
