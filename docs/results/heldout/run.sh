@@ -6,7 +6,8 @@
 set -euo pipefail
 D2O=${D2O:-.venv/bin/d2o}
 OUT=${OUT:-docs/results/heldout}
-M=full,h2o,tova,snapkv,pyramidkv,sirllm,d2o,d2o-nomerge,d2o-plus,d2o-plus-nomerge,d2o-plus-nearmerge,d2o-plus-nomass,d2o-plus-noblend
+M=full,h2o,tova,snapkv,pyramidkv,sirllm,d2o,d2o-nomerge,d2o-plus,d2o-plus-nomerge,d2o-plus-nearmerge,d2o-plus-nowindow
+M=$M,d2o-plus-blend,d2o-plus-blend-nomass,d2o-plus-blend-nearmerge
 B=0.1,0.2,0.5
 NEEDLE=(--task-option "needle=The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day."
         --task-option "question=What is the best thing to do in San Francisco?"
