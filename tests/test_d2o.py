@@ -27,10 +27,12 @@ def make_layer(keys, values):
 
 
 def merged_layer(merge, keys, values, keep, evict, tau=None):
-    """A layer holding ``keys``/``values`` that keeps the slots ``keep`` and merges ``evict`` into them."""
+    """A layer holding ``keys``/``values`` that keeps the slots ``keep`` and merges ``evict`` into them
+    (handed only the evicted vectors it declares it reads, as the cache does)."""
     layer = make_layer(keys, values)
     layer.state = MergeState(tau=tau)
-    evicted = layer.evicted(evict, torch.ones(evict.shape[0], evict.shape[2], dtype=torch.bool))
+    valid = torch.ones(evict.shape[0], evict.shape[2], dtype=torch.bool)
+    evicted = layer.evicted(evict, valid, vectors=merge.vectors)
     layer.keep(keep, torch.ones(keep.shape[0], keep.shape[2], dtype=torch.bool))
     return layer, merge.merge([layer], [evicted])[0]
 
@@ -402,9 +404,9 @@ def test_attention_weighting_blends_by_the_attention_each_token_received(attenti
         else:  # accumulated over two query heads per KV head, per query that could see the token
             layer.slot_state["mass"] = (received * (9 - torch.arange(9)))[..., None].expand(-1, -1, -1, 2) / 2
         layer.state = MergeState(tau=torch.zeros(1))
-        evicted = layer.evicted(evict, torch.ones(1, 1, dtype=torch.bool))
-        layer.keep(keep, torch.ones(1, 7, dtype=torch.bool))
         merge = SimilarityMerge(values_only=True, mass=True, weighting="attention", attention=attention, blend=blend)
+        evicted = layer.evicted(evict, torch.ones(1, 1, dtype=torch.bool), vectors=merge.vectors)
+        layer.keep(keep, torch.ones(1, 7, dtype=torch.bool))
         assert int(merge.merge([layer], [evicted])[0]) == 2
         blended = (values[:, :, 2] + expected_weight * values[:, :, 3]) / (1 + expected_weight)
         if blend:
@@ -413,6 +415,30 @@ def test_attention_weighting_blends_by_the_attention_each_token_received(attenti
             assert torch.equal(layer.values, values.gather(2, keep[..., None].expand(-1, -1, -1, 8)))
         torch.testing.assert_close(layer.log_weight[0, :, 2], torch.full((2,), math.log(1 + expected_weight)))
         torch.testing.assert_close(layer.keys, keys.gather(2, keep[..., None].expand(-1, -1, -1, 8)))
+
+
+@pytest.mark.parametrize("name, vectors", [
+    ("d2o", ("keys", "values")),  # compares keys, blends keys and values
+    ("d2o-plus-blend", ("keys", "values")),  # compares keys, blends values
+    ("d2o-plus", ("keys",)),  # compares keys, moves only the mass
+    ("d2o-valuesim", ("keys", "values")),
+    ("cam", ("values",)),  # adds values to the next kept tokens
+])
+def test_the_cache_copies_only_the_evicted_vectors_a_merge_reads(monkeypatch, name, vectors):
+    model = tiny_model()
+    cache = make_cache(model, name, 0.3)
+    merge_class = type(cache.policy.merge)
+    assert cache.policy.merge.vectors == vectors
+    handed, merge = [], merge_class.merge
+    monkeypatch.setattr(merge_class, "merge", lambda self, layers, evicted: handed.extend(evicted) or
+                        merge(self, layers, evicted))
+    with torch.inference_mode():
+        logits = model(input_ids=random_ids(40), cache=cache).logits  # the prefill's eviction
+        model(input_ids=logits[:, -1:].argmax(-1), cache=cache)  # a decode step's
+    widths = {gone.token_index.shape[-1] for gone in handed}  # tokens evicted per row and head
+    assert 1 in widths and max(widths) > 20
+    for gone in handed:
+        assert (gone.keys is not None, gone.values is not None) == ("keys" in vectors, "values" in vectors)
 
 
 def test_attention_weighting_needs_the_state_it_reads():
@@ -447,7 +473,7 @@ def test_layers_merged_in_one_call_equal_each_merged_alone(merge):
             layer.state = MergeState(tau=None if i == 0 else torch.tensor([0.1, math.nan]))
             victim = torch.randint(0, n, (batch, heads, 1), generator=draw)
             evicting = torch.tensor([True, i != 1])  # row 1 of layer 1 evicts nothing
-            evicted = layer.evicted(victim, evicting[:, None])
+            evicted = layer.evicted(victim, evicting[:, None], vectors=merge.vectors)
             layer.drop(victim, None if bool(evicting.all()) else evicting)
             made.append((layer, evicted))
         return made

@@ -346,12 +346,13 @@ class CompressedCache(Cache):
             rows = None if fewest == 1 else excess > 0
             victim = select_victim(scores, protected, layer.token_index)
             if merge is not None:
-                evicted = layer.evicted(victim, (excess > 0)[:, None], merge.reads)
+                evicted = layer.evicted(victim, (excess > 0)[:, None], merge.reads, merge.vectors)
             layer.drop(victim, rows)
         else:
             keep, keep_valid = select_kept(scores, protected, layer.token_index, target)
             if merge is not None:
-                evicted = layer.evicted(*evicted_slots(layer.valid, keep, keep_valid, target), merge.reads)
+                evicted = layer.evicted(*evicted_slots(layer.valid, keep, keep_valid, target), merge.reads,
+                                        merge.vectors)
             layer.keep(keep, keep_valid)
         return evicted
 

@@ -25,14 +25,15 @@ if TYPE_CHECKING:
 class Evicted:
     """Tokens leaving a layer, per row and KV head, as they were stored (copies).
 
-    ``keys``/``values`` (B, G, E, D), ``token_index`` (B, G, E), ``valid`` (B, E): every KV head of
-    a row evicts as many tokens, and row b's entries past its count are padding; ``slot_state``:
-    the per-slot method state of those tokens, (B, G, E, ...); ``log_weight`` (B, G, E): the log of
-    how many tokens each stands for (None: one each).
+    ``keys``/``values`` (B, G, E, D), each None unless the merge reads it (``Merge.vectors``);
+    ``token_index`` (B, G, E), ``valid`` (B, E): every KV head of a row evicts as many tokens, and
+    row b's entries past its count are padding; ``slot_state``: the per-slot method state of those
+    tokens, (B, G, E, ...); ``log_weight`` (B, G, E): the log of how many tokens each stands for
+    (None: one each).
     """
 
-    keys: torch.Tensor
-    values: torch.Tensor
+    keys: torch.Tensor | None
+    values: torch.Tensor | None
     token_index: torch.Tensor
     valid: torch.Tensor
     slot_state: dict[str, torch.Tensor]
@@ -47,6 +48,7 @@ class Merge(Protocol):
     """What happens to evicted tokens: folded into the layer's kept slots instead of being dropped."""
 
     reads: tuple[str, ...]  # the slot states of the evicted tokens it reads (the engine copies only those)
+    vectors: tuple[str, ...]  # which of their "keys" and "values" it reads (likewise)
 
     def slot_state_bytes(self, group: int) -> int:
         """Bytes it keeps per slot and stored KV head, at most (slot state and log weight);

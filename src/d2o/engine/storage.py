@@ -365,15 +365,19 @@ class CompressedLayer(CacheLayerMixin):
         weights = 0 if self.log_weight is None else self.log_weight.nbytes
         return self.token_index.nbytes + weights + sum(state.nbytes for state in self.slot_state.values())
 
-    def evicted(self, slots: torch.Tensor, valid: torch.Tensor, states: tuple[str, ...] | None = None) -> Evicted:
+    def evicted(self, slots: torch.Tensor, valid: torch.Tensor, states: tuple[str, ...] | None = None,
+                vectors: tuple[str, ...] = ("keys", "values")) -> Evicted:
         """Copies of what the slots (B, G, E) hold, before they are evicted; ``valid`` (B, E);
-        ``states``: the slot states to copy (None: all of them)."""
+        ``states``: the slot states to copy (None: all of them); ``vectors``: which of the keys and
+        values to copy (the other is None)."""
         rows = self.rows_of(slots)  # one index for every tensor
 
         def take(tensor: torch.Tensor) -> torch.Tensor:
             return take_rows(tensor, rows, slots.shape)
 
-        return Evicted(keys=take(self.keys), values=take(self.values), token_index=take(self.token_index),
+        return Evicted(keys=take(self.keys) if "keys" in vectors else None,
+                       values=take(self.values) if "values" in vectors else None,
+                       token_index=take(self.token_index),
                        valid=valid, slot_state={name: take(state) for name, state in self.slot_state.items()
                                                 if states is None or name in states},
                        log_weight=None if self.log_weight is None else take(self.log_weight))

@@ -56,6 +56,7 @@ class ProminenceMerge:
         check(whole(self.span) and self.span >= 1, "span", self.span, "must be at least 1")
 
     reads = (LAST_LOOK,)
+    vectors = ("values",)  # keys are dropped
 
     def new_state(self) -> None:
         return None

@@ -113,6 +113,14 @@ class SimilarityMerge:
         """The slot state of evicted tokens the merge reads: what weighs them by attention."""
         return (self.attention,) if self.weighting == "attention" else ()
 
+    @property
+    def vectors(self) -> tuple[str, ...]:
+        """The vectors of evicted tokens it reads: those it compares, and those it blends in."""
+        read = {f"{self.on}s"}
+        if self.blend:
+            read |= {"values"} if self.values_only else {"keys", "values"}
+        return tuple(part for part in ("keys", "values") if part in read)
+
     def new_state(self) -> MergeState:
         return MergeState()
 
