@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# NIAH at two more seeds (3 and 4: haystacks no setting was chosen on), both protocols, for the full
+# NIAH at four more seeds (3, 4, 15, 16: haystacks no setting was chosen on), both protocols, for the full
 # cache, the strongest baselines, D2O and d2o-plus with its merge ablations and -nowindow: is what
 # seed 0 shows about merging, and about votes when the question comes later, a property of the
 # method or of one seed? Each command resumes.
-# Usage: bash docs/results/seeds/run.sh [SEED...]   (default: 3 4; about 12 min per seed on one thread)
+# Usage: bash docs/results/seeds/run.sh [SEED...]   (default: 3 4 15 16; about 12 min per seed on one thread)
 set -euo pipefail
 D2O=${D2O:-.venv/bin/d2o}
 OUT=${OUT:-docs/results/seeds}
-M=full,tova,snapkv,roco,d2o,d2o-nomerge,d2o-plus,d2o-plus-nomerge,d2o-plus-nearmerge,d2o-plus-nowindow,d2o-plus-blend
+M=full,tova,snapkv,pyramidkv,roco,d2o,d2o-nomerge,d2o-plus,d2o-plus-nomerge,d2o-plus-nearmerge,d2o-plus-nowindow,d2o-plus-blend
 M=$M,d2o-plus-blend-nomass,d2o-plus-blend-nearmerge
 NIAH="--task-option lengths=500,1000,2000 --task-option depths=0,0.25,0.5,0.75,1"
-for seed in ${*:-3 4}; do
+for seed in ${*:-3 4 15 16}; do
   for protocol in prompt context; do
     suffix=$([ "$protocol" = context ] && echo "-context" || true)
     $D2O eval --task niah $NIAH --limit 1 --seed "$seed" --methods $M --budgets 0.1,0.2,0.5 --protocol $protocol \
