@@ -9,6 +9,7 @@ D2O=${D2O:-.venv/bin/d2o}
 OUT=${OUT:-docs/results/heldout}
 M=full,h2o,tova,snapkv,pyramidkv,roco,sirllm,d2o,d2o-nomerge,d2o-plus,d2o-plus-nomerge,d2o-plus-nearmerge,d2o-plus-nowindow
 M=$M,d2o-plus-blend,d2o-plus-blend-nomass,d2o-plus-blend-nearmerge
+M=$M,d2o-plus-recent
 B=0.1,0.2,0.5
 NEEDLE=(--task-option "needle=The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day."
         --task-option "question=What is the best thing to do in San Francisco?"
@@ -22,6 +23,6 @@ for protocol in prompt context; do
     --limit 1 --seed 2 --methods $M --budgets $B --protocol $protocol --out "$OUT/niah-sf$suffix"
 done
 # Perplexity: every method that compresses a stream (SnapKV and PyramidKV compress once, after the prefill).
-P=full,streamingllm,h2o,tova,roco,sirllm,d2o,d2o-nomerge,d2o-plus,d2o-plus-nomerge
+P=full,streamingllm,h2o,tova,roco,sirllm,d2o,d2o-nomerge,d2o-plus,d2o-plus-nomerge,d2o-plus-recent
 $D2O eval --task perplexity --task-option text=/usr/share/common-licenses/GPL-3 --task-option length=4096 \
   --task-option chunk=64 --seed 2 --methods $P --budgets $B --out "$OUT/perplexity-gpl"
