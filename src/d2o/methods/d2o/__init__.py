@@ -24,7 +24,7 @@ variant("d2o-plus-nowindow", "d2o-plus without the last queries' votes: for a co
 variant("d2o-plus-nosurprisal", "d2o-plus ablation: no surprisal share", D2OPlus,
         scoring=lambda: BlendedScores(surprisal=0.0))
 variant("d2o-plus-uniform", "d2o-plus ablation: the same budget in every layer", D2OPlus, allocation=Uniform)
-variant("d2o-plus-recent", "d2o-plus with H2O's 1:1 split: half of each layer's budget to the newest tokens (D2O: a quarter)",
+variant("d2o-plus-recent", "d2o-plus ablation: H2O's 1:1 split, half of each layer's budget to the newest tokens",
         D2OPlus, split=lambda: (1, 1))
 variant("d2o-plus-sumvotes", "d2o-plus ablation: votes summed over the latest queries (SnapKV's rule), not their max",
         D2OPlus, scoring=lambda: BlendedScores(votes="sum"))

@@ -32,7 +32,10 @@ def attention_weighted_merge(attention: str = "votes", mass: bool = True, min_di
 @register
 @dataclass
 class D2OPlus(D2O):
-    """D2O's layer level (inverse-variance budgets), its 3:1 split and 4 sinks, unchanged; then
+    """D2O's layer level (inverse-variance budgets), its 3:1 split and 4 sinks, unchanged (H2O's 1:1,
+    ``d2o-plus-recent``, moves a quarter of each layer's budget from the scored tokens to the
+    newest and lost answers to a question asked after compression: the surprisal share that finds
+    them lives in the scored part); then
 
     - ``scoring``: ``BlendedScores`` - D2O's accumulated attention, plus the votes of the latest
       queries (the prompt's last 32 at the prefill, then each pass's own), plus twice each token's
