@@ -22,7 +22,8 @@ for protocol in prompt context; do
   $D2O eval --task niah "${NEEDLE[@]}" --task-option lengths=500,1000,2000 --task-option depths=0,0.25,0.5,0.75,1 \
     --limit 1 --seed 2 --methods $M --budgets $B --protocol $protocol --out "$OUT/niah-sf$suffix"
 done
-# Perplexity: every method that compresses a stream (SnapKV and PyramidKV compress once, after the prefill).
+# Perplexity: the best baselines of the committed text, D2O and d2o-plus (SnapKV and PyramidKV compress
+# once, after the prefill, so never a stream).
 P=full,streamingllm,h2o,tova,roco,sirllm,d2o,d2o-nomerge,d2o-plus,d2o-plus-nomerge,d2o-plus-recent
 $D2O eval --task perplexity --task-option text=/usr/share/common-licenses/GPL-3 --task-option length=4096 \
   --task-option chunk=64 --seed 2 --methods $P --budgets $B --out "$OUT/perplexity-gpl"
