@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import copy
+import tempfile
 
 import pytest
 import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
+    PreTrainedTokenizerFast,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
     LlamaConfig,
@@ -39,11 +42,28 @@ ARCHITECTURES = {
 DENSE = [arch for arch in ARCHITECTURES if arch != "gemma3"]  # every layer attends to every token
 
 
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """A tokenizer of the tiny models' 256 ids: one token per byte of UTF-8 (for methods that write
+    text of their own into a probe, such as KVzip's request to repeat the context)."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokenizer = Tokenizer(models.BPE(vocab={char: i for i, char in enumerate(alphabet)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer)
+
+
+# The tiny models name this folder as theirs, so that a cache finds their tokenizer as it finds a
+# real model's (saved with it).
+TOKENIZER_FOLDER = tempfile.mkdtemp(prefix="d2o-test-tokenizer-")
+byte_tokenizer().save_pretrained(TOKENIZER_FOLDER)
+
+
 def tiny_model(arch: str = "llama", dtype=torch.float32, attention: str = "sdpa", seed: int = 0, **overrides):
     """A random-weight model of ``arch`` with d2o's hook installed (outputs equal the stock model's)."""
     config_class, model_class, extra = ARCHITECTURES[arch]
     torch.manual_seed(seed)
     config = config_class(**{**SHAPE, **extra, **overrides}, attn_implementation="sdpa")
+    config._name_or_path = TOKENIZER_FOLDER
     model = model_class(config).to(dtype).eval()
     with torch.no_grad():
         for name, parameter in model.named_parameters():

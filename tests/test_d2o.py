@@ -7,7 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from d2o import D2OError, get_method
+import d2o
+from d2o import Budget, D2OError, get_method
 from d2o.engine.cache import CompressedCache
 from d2o.engine.storage import CompressedLayer
 from d2o.methods.allocation import InverseVariance, Pyramid, conserve, layer_density
@@ -231,6 +232,27 @@ def test_official_preset_follows_the_released_code():
     assert lengths[0] == lengths[1] == lengths[5] == 201  # exempt layers keep everything
     assert lengths[2:5] == expected[2:5]
     assert all(layer.keys.shape[1] == model.config.num_attention_heads for layer in cache.layers)  # repeated
+
+
+def test_official_preset_has_no_floor_unless_one_is_asked_for():
+    """The released code has no floor: at the library's default (no --min-tokens) the preset keeps
+    what it keeps (a floor would hold its small layers up and part the logits from the first decode
+    step); a floor asked for is kept."""
+    model = tiny_model("llama", num_hidden_layers=6)
+    ids = random_ids(200)
+    caches = {"default": d2o.CompressedCache(model, get_method("d2o-official"), 0.2),
+              "no floor": make_cache(model, "d2o-official", 0.2, min_tokens=0),
+              "floor asked": d2o.CompressedCache(model, get_method("d2o-official"), Budget.parse(0.2, min_tokens=128))}
+    logits = {}
+    for name, cache in caches.items():
+        with torch.inference_mode():
+            token = model(input_ids=ids, cache=cache).logits[:, -1:].argmax(-1)
+            logits[name] = model(input_ids=token, cache=cache).logits
+    lengths = {name: [layer.keys.shape[2] for layer in cache.layers] for name, cache in caches.items()}
+    assert lengths["default"] == lengths["no floor"] and max(lengths["default"][2:5]) < 128
+    assert lengths["floor asked"][2:5] == [128] * 3
+    assert caches["default"].report().min_tokens == 0 and caches["floor asked"].report().min_tokens == 128
+    torch.testing.assert_close(logits["default"], logits["no floor"], atol=0, rtol=0)
 
 
 def test_every_knob_is_reachable_by_name():

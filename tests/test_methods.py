@@ -16,7 +16,7 @@ from d2o.methods import scoring
 from d2o.methods.base import HeavyRecent
 from d2o.methods.snapkv import SnapKV
 
-from conftest import greedy, left_pad, make_cache, random_ids, tiny_model
+from conftest import byte_tokenizer, greedy, left_pad, make_cache, random_ids, tiny_model
 
 METHODS = list(REGISTRY)
 # Methods whose total after the prefill is not held to round(L * rho * S).
@@ -241,6 +241,53 @@ def test_d2o_plus_keeps_by_blended_scores_with_forward_spans(explicit):
         for head, kept in enumerate(layer):
             expected = set(range(4)) | set(range(PROMPT - recent, PROMPT))
             assert kept == expected | top(scores[head], budget - len(expected), range(4, PROMPT - recent))
+
+
+def reference_sentence_means(values, ends, limit):
+    """Each token gets the mean of its sentence: the tokens after an end up to and including the
+    next, cut every `limit` tokens."""
+    means, sentence = [], []
+    for value, end in zip(values.tolist(), ends):
+        sentence.append(value)
+        if end or len(sentence) == limit:
+            means += [sum(sentence) / len(sentence)] * len(sentence)
+            sentence = []
+    return torch.tensor(means + [sum(sentence) / len(sentence)] * len(sentence), dtype=values.dtype)
+
+
+def test_d2o_novelty_keeps_by_attention_surprisal_and_sentence_novelty(explicit):
+    """d2o-novelty's token level (no merge, uniform budgets): mass share + twice the surprisal share
+    spread 3 back / 16 forward + ten times the share of each token's sentence's mean surprisal
+    (sentences end at a token whose text holds . ! ? or a line break; at most 64 tokens)."""
+    model, ids, attentions = explicit
+    with torch.inference_mode():
+        logits = model(input_ids=ids).logits[0].double()  # no d2o cache: every position, nothing evicted
+    surprisal = torch.logsumexp(logits[:-1], -1) - logits[:-1].gather(-1, ids[0, 1:, None])[:, 0]
+    surprisal = torch.cat([torch.zeros(1, dtype=surprisal.dtype), surprisal])
+    tokenizer = byte_tokenizer()
+    ends = [any(mark in tokenizer.decode([token]) for mark in ".!?\n") for token in ids[0].tolist()]
+    assert 3 <= sum(ends) <= PROMPT // 4  # the random prompt has sentences to tell apart
+    novelty = reference_sentence_means(surprisal, ends, 64)
+    spread = reference_spread(surprisal, 3, 16)
+    method = get_method("d2o-novelty", merge=None, allocation="uniform")
+    budget, recent = 60, 15  # 3:1 split, 4 sinks
+    for layer, attention in zip(kept_after_prefill(model, ids, method), attentions):
+        mass = per_kv_head(attention).sum(dim=(1, 2))
+        scores = mass / mass.sum(-1, keepdim=True) + 2 * spread / spread.sum() + 10 * novelty / novelty.sum()
+        for head, kept in enumerate(layer):
+            expected = set(range(4)) | set(range(PROMPT - recent, PROMPT))
+            assert kept == expected | top(scores[head], budget - len(expected), range(4, PROMPT - recent))
+
+
+def test_sentence_means_cut_long_sentences_and_skip_padding():
+    values = torch.tensor([[9.0, 9.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0], [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]])
+    ends = torch.tensor([[False, True, False, True, False, False, False, False],
+                         [False, False, True, False, False, False, False, True]])
+    real = torch.tensor([[False, False, True, True, True, True, True, True], [True] * 8])
+    means = scoring.sentence_means(values, ends, real, limit=3)
+    # row 0: two pads (no value, no share), then [1, 2] ends, then [3, 4, 5] cut at 3, then [6]
+    assert means[0].tolist() == [0.0, 0.0, 1.5, 1.5, 4.0, 4.0, 4.0, 6.0]
+    assert means[1].tolist() == [2.0, 2.0, 2.0, 5.0, 5.0, 5.0, 7.5, 7.5]
 
 
 def test_spreads_follow_token_order_whatever_the_slots():

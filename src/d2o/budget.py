@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from d2o.errors import D2OError
 from d2o.options import whole
@@ -28,6 +28,9 @@ class Budget:
     ratio: float | None = None
     tokens: int | None = None
     min_tokens: int = MIN_TOKENS
+    # True when the floor was asked for (``min_tokens`` given), not the default: a method that
+    # reproduces code without a floor (d2o-official) then keeps it.
+    floor_given: bool = field(default=False, compare=False)
 
     def __post_init__(self):
         if (self.ratio is None) == (self.tokens is None):
@@ -44,7 +47,7 @@ class Budget:
         """``0.2`` / ``"0.2"`` -> ratio; ``"128t"`` / ``"128tok"`` / ``"128tokens"`` -> tokens per layer;
         ``min_tokens`` replaces the floor (None: keep it)."""
         if min_tokens is not None:
-            return replace(cls.parse(value), min_tokens=min_tokens)
+            return replace(cls.parse(value), min_tokens=min_tokens, floor_given=True)
         if isinstance(value, Budget):
             return value
         if isinstance(value, bool):

@@ -24,13 +24,13 @@ from transformers.models.llama.modeling_llama import eager_attention_forward
 
 from d2o.engine.cache import CompressedCache
 from d2o.engine.stats import AttentionStats, StatsRequest, allowed_keys, as_dtype, attention_stats
-from d2o.engine.storage import claim_active_layer
+from d2o.engine.storage import HOOK_PREFIX, claim_active_layer
 from d2o.errors import D2OError
 
 # Model families whose attention calls `cache.update` then the registered attention function on
 # unrepeated KV heads, with keys after RoPE (checked in the tests with tiny random models).
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
-ATTENTION_NAMES = {"sdpa": "d2o_sdpa", "eager": "d2o_eager"}
+ATTENTION_NAMES = {backend: HOOK_PREFIX + backend for backend in ("sdpa", "eager")}
 HOOK_ATTRIBUTE = "_d2o_end_of_forward"  # on the decoder: the handle of the forward hook
 STOCK_ATTRIBUTE = "_d2o_stock_attention"  # on the model: the implementation install replaced
 
@@ -70,20 +70,20 @@ def _make_attention(backend: str):
         request = None
         if layer is not None and layer.observing:
             request = layer.cache.policy.stats_request(layer, n_query)
-        if request is not None and n_query == 1 and window_mask is None:
+        if request is not None and n_query == 1 and window_mask is None and request.visible is None:
             # Empty slots are masked whether there are any or not: asking would make the host wait for
             # the device in every layer of every decode step.
             output, stats = _one_query_attention(query, key, value, kv_valid, new_valid, scaling, request, log_weight)
-            _observe(layer, request, stats)
+            _observe(layer, request, _with_queries(stats, request, layer, query, scaling))
             return output, None
         every_slot = window_mask is None and bool(kv_valid.all())
 
-        if request is not None and request.column_mass and n_query > 1 and backend == "sdpa":
+        if request is not None and request.columns and request.visible is None and n_query > 1 and backend == "sdpa":
             # Every row's probabilities are needed anyway: the output comes from them too.
             stats = attention_stats(query, key, kv_valid.expand(-1, key.shape[1], -1),
                                     kv_valid.new_ones((batch, n_query)) if new_valid is None else new_valid,
                                     scaling, request, window_mask, log_weight, value)
-            _observe(layer, request, stats)
+            _observe(layer, request, _with_queries(stats, request, layer, query, scaling))
             return stats.output, None
 
         mask = None
@@ -107,14 +107,25 @@ def _make_attention(backend: str):
 
         if request is not None:
             per_head = kv_valid.expand(-1, key.shape[1], -1)
+            if request.visible is not None:
+                per_head = per_head & request.visible
             if new_valid is None:
                 new_valid = kv_valid.new_ones((batch, n_query))
             stats = attention_stats(query, key, per_head, new_valid, scaling, request, window_mask, log_weight)
-            _observe(layer, request, stats)
+            _observe(layer, request, _with_queries(stats, request, layer, query, scaling))
         return output, None
 
     attention.__name__ = f"d2o_{backend}_attention"
     return attention
+
+
+def _with_queries(stats: AttentionStats, request: StatsRequest, layer, query, scaling: float) -> AttentionStats:
+    """``stats`` with the pass's queries, their token indices and the logits' scale, if asked for."""
+    if not request.queries:
+        return stats
+    first = layer.token_index[:, 0]
+    index = first.gather(1, layer.fresh_slots(query.shape[2])[:, 0])  # (B, q): -1 for padding
+    return replace(stats, queries=query, query_index=index, scaling=scaling)
 
 
 def _observe(layer, request: StatsRequest, stats: AttentionStats) -> None:
@@ -155,7 +166,8 @@ def _one_query_attention(query, key, value, kv_valid, new_valid, scaling, reques
     if new_valid is not None:  # a padding query observes nothing (a real one's probabilities times 1 are unchanged)
         probs = probs * new_valid[:, :, None, None]
     return output, AttentionStats(1, column_mass=probs if request.column_mass else None,
-                                  window=probs[:, :, :, None, :] if request.window else None)
+                                  window=probs[:, :, :, None, :] if request.window else None,
+                                  column_max=probs if request.column_max else None)
 
 
 class _Grouping:
@@ -252,11 +264,18 @@ def _install_hooks(decoder, lm_head) -> tuple:
     awaiting_logits: list[CompressedCache] = []  # the cache of the pass whose logits come next
 
     def end_of_decoder(module, args, kwargs, output):
-        awaiting_logits.clear()
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if isinstance(cache, CompressedCache) and cache.probing is not None:
+            return  # a probe pass, run from the cache's own compression: observed, never kept
+        awaiting_logits.clear()
         if isinstance(cache, CompressedCache):
+            input_ids = kwargs.get("input_ids", args[0] if args else None)
+            if cache.policy.probes and not cache.allocated:
+                if input_ids is None:
+                    raise D2OError(f"{cache.policy.name} probes the model with the prompt's tokens: give input_ids, "
+                                   f"not embeddings")
+                cache.record_prompt(input_ids)
             if cache.policy.needs_surprisal:
-                input_ids = kwargs.get("input_ids", args[0] if args else None)
                 if input_ids is None:
                     raise D2OError(f"{cache.policy.name} scores tokens by surprisal: give input_ids, not embeddings")
                 if lm_head is None:

@@ -8,13 +8,16 @@ answers into slot indices and the layer gathers the kept slots into smaller tens
 
 from __future__ import annotations
 
+import inspect
+import weakref
 from contextlib import contextmanager
+from functools import lru_cache
 
 import torch
 from transformers.cache_utils import Cache
 
 from d2o.budget import UNLIMITED, Budget
-from d2o.engine.policy import Evicted, Policy
+from d2o.engine.policy import Evicted, Policy, ProbePass
 from d2o.engine.report import CacheReport, LayerReport
 from d2o.engine.selection import evicted_slots, select_kept, select_victim
 from d2o.engine.stats import token_surprisal
@@ -78,19 +81,25 @@ class CompressedCache(Cache):
     ``with cache.hold(): ...`` defers compression (a chunked prefill scored as a whole).
     """
 
-    def __init__(self, model, policy: Policy, budget: Budget | str | float = 0.2, observe: bool | None = None):
+    def __init__(self, model, policy: Policy, budget: Budget | str | float = 0.2, observe: bool | None = None,
+                 tokenizer=None):
         """``observe``: compute the policy's statistics even under a budget that never evicts (a
         prefill that forks will share); by default only when something can be evicted, so that a
-        budget of 1 runs the stock kernels alone."""
+        budget of 1 runs the stock kernels alone. ``tokenizer``: the model's, for a method that
+        writes text of its own into a probe (KVzip's "Repeat the previous context"); by default the
+        one saved with the model (``config.name_or_path``)."""
         if isinstance(policy, str):
             raise D2OError(f"CompressedCache takes a method object, not the name {policy!r}: "
                            f"d2o.get_method({policy!r}) builds one")
+        # A weak reference: a cache must not keep its model alive, nor be deep-copied with it.
+        self._decoder = weakref.ref(model.get_decoder())
+        self._tokenizer = tokenizer
         self._setup(model.config.get_text_config(), policy, budget, observe)
 
     def _setup(self, config, policy: Policy, budget, observe: bool | None = None) -> None:
         self.config = config
         self.policy = policy
-        self.budget = Budget.parse(budget)
+        self.budget = policy.budget_for(Budget.parse(budget))
         self.n_layers = config.num_hidden_layers
         groups = config.num_attention_heads // config.num_key_value_heads
         self.kv_repeats = groups if policy.repeats_kv_heads else 1
@@ -104,19 +113,28 @@ class CompressedCache(Cache):
         self._holds = 0
         self._last_hidden = None  # the last real token's final hidden state (for surprisal)
         self._last_logits = None  # (hidden, logits): the model's logits from those hidden states
+        self._start_probing()
 
-    def fork(self, policy: Policy, budget, slot_prefix: str = "") -> CompressedCache:
+    def _start_probing(self) -> None:
+        self.probing: ProbePass | None = None  # the probe pass running now
+        self.probed = False  # the policy's probe passes ran (they run once, before the first compression)
+        self._prompt: list[tuple[torch.Tensor, torch.Tensor]] = []  # (ids, real) of each pass before it
+
+    def fork(self, policy: Policy, budget, slot_prefix: str = "", state_of=None) -> CompressedCache:
         """A cache for ``policy`` at ``budget`` continuing from this one's tokens, compressed now if
         it is time. Key/value tensors are shared (compression writes new tensors, never into old
         ones); the slot state under ``slot_prefix`` becomes the new cache's own (copied, since
-        methods accumulate into it). The source must hold every token (budget 1.0): what a
-        compressed cache has made of its tokens (merged slots' weights, thresholds, budgets) is the
-        method's own and does not carry over."""
+        methods accumulate into it), and so does, per layer, ``state_of(layer)`` if given (a copy:
+        what the policy kept of the prefill in its ``RowState``). The source must hold every token
+        (budget 1.0): what a compressed cache has made of its tokens (merged slots' weights,
+        thresholds, budgets) is the method's own and does not carry over."""
         if not self.budget.unlimited:
             raise D2OError(f"only a cache that holds every token (budget 1.0) can be forked; this one's budget is "
                            f"{self.budget}")
         new = CompressedCache.__new__(CompressedCache)
+        new._decoder, new._tokenizer = self._decoder, self._tokenizer
         new._setup(self.config, policy, budget)
+        new.probed = self.probed  # a policy combining the methods ran each one's probe into its slot state
         if new.kv_repeats != self.kv_repeats:
             raise D2OError(f"{policy.name} stores KV heads differently: it cannot share another method's prefill")
         new.forwards = self.forwards
@@ -133,6 +151,9 @@ class CompressedCache(Cache):
                 for name, state in mine.slot_state.items()
                 if name.startswith(slot_prefix)
             }
+            if state_of is not None:
+                own = state_of(mine)
+                theirs.state = None if own is None else own.map_rows(torch.clone)
         new.compress()
         return new
 
@@ -193,6 +214,7 @@ class CompressedCache(Cache):
         self.forwards = 0
         self.allocated = False
         self._last_hidden = self._last_logits = None
+        self._start_probing()
 
     @contextmanager
     def hold(self):
@@ -220,8 +242,7 @@ class CompressedCache(Cache):
 
     def observe_tokens(self, input_ids: torch.Tensor, hidden: torch.Tensor, lm_head) -> None:
         """Give the policy each new token's surprisal, -log p(token | earlier tokens), (B, q)."""
-        first = self.layers[0]
-        valid = first.token_index[:, 0].gather(1, first.fresh_slots(input_ids.shape[1])[:, 0]) >= 0
+        valid = self.layers[0].fresh_real(input_ids.shape[1])
         # The model's own logits of the last pass, if they were computed from the very hidden states
         # kept here (not when rows were selected, joined or forked since, nor for another input).
         known = (self._last_logits is not None and self._last_hidden is not None
@@ -230,12 +251,90 @@ class CompressedCache(Cache):
         surprisal, self._last_hidden = token_surprisal(input_ids, hidden, lm_head, valid, self._last_hidden,
                                                        self._last_logits[1] if known else None)
         self._last_logits = None
-        self.policy.observe_tokens(self, surprisal)
+        self.policy.observe_tokens(self, surprisal, input_ids)
 
     def observe_logits(self, hidden: torch.Tensor, logits: torch.Tensor) -> None:
         """The logits (B, V) the model computed from final hidden states ``hidden`` (B, d): those of
         this pass's last position, which predict the next pass's first token."""
         self._last_logits = (hidden.clone(), logits.clone())
+
+    def record_prompt(self, input_ids: torch.Tensor) -> None:
+        """Keep a pass's token ids until the policy's probe has read them (a policy that ``probes``)."""
+        real = self.layers[0].fresh_real(input_ids.shape[1])
+        self._prompt.append((input_ids.to(real.device), real))
+
+    def prompts(self) -> list[list[int]]:
+        """Each row's prompt token ids as recorded (padding left out)."""
+        ids = torch.cat([ids for ids, _ in self._prompt], dim=1)
+        real = torch.cat([real for _, real in self._prompt], dim=1)
+        return [row[mask].tolist() for row, mask in zip(ids, real)]
+
+    @property
+    def tokenizer(self):
+        """The model's tokenizer: the one given, else the one saved with the model."""
+        if self._tokenizer is None:
+            path = getattr(self.config, "_name_or_path", "") or ""
+            try:
+                if not path:
+                    raise OSError("the model was not loaded from a folder")
+                self._tokenizer = _saved_tokenizer(path)
+            except (OSError, ValueError) as error:
+                first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+                raise D2OError(f"{self.policy.name} writes text of its own into its probe and needs the model's "
+                               f"tokenizer, which cannot be loaded from {path!r} ({first}): give it, "
+                               f"CompressedCache(..., tokenizer=tokenizer)") from None
+        return self._tokenizer
+
+    def rotary(self, layer_idx: int, positions: torch.Tensor,
+               dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (cos, sin) tables the model's RoPE applies at ``positions`` (B, n) in layer
+        ``layer_idx``, each (B, n, head_dim), in ``dtype``."""
+        rotary = getattr(self._model_decoder(), "rotary_emb", None)
+        if rotary is None:
+            raise D2OError(f"{self.policy.name} reads the model's rotary embedding, and this model's decoder has none")
+        carrier = torch.empty((), dtype=dtype, device=positions.device)
+        kinds = getattr(self.config, "layer_types", None)
+        if kinds and "layer_type" in inspect.signature(rotary.forward).parameters:  # per kind of layer (Gemma 3)
+            return rotary(carrier, positions, kinds[layer_idx])
+        return rotary(carrier, positions)
+
+    def _model_decoder(self):
+        decoder = self._decoder()
+        if decoder is None:
+            raise D2OError("the model this cache was made for is gone")
+        return decoder
+
+    def _probe(self) -> None:
+        """Run the policy's probe passes: each is fed after the prompt, observed, then taken out of
+        every layer (each pass sees the prompt alone)."""
+        passes = self.policy.probe(self, self.prompts())
+        decoder = self._model_decoder()
+        device = self.layers[0].device
+        snapshots = [layer.snapshot() for layer in self.layers]
+        try:
+            for probe in passes:
+                width = max(len(row) for row in probe.ids)
+                if not width:
+                    continue
+                ids = torch.zeros((len(probe.ids), width), dtype=torch.long)
+                real = torch.zeros((len(probe.ids), width), dtype=torch.bool)
+                for row, tokens in enumerate(probe.ids):
+                    ids[row, width - len(tokens):] = torch.as_tensor(tokens, dtype=torch.long)
+                    real[row, width - len(tokens):] = True
+                ids, real = ids.to(device), real.to(device)
+                positions = self.layers[0].real_seen[:, None] + real.long().cumsum(-1) - 1
+                mask = None
+                if not bool(real.all()):
+                    mask = torch.cat([real.new_ones((len(probe.ids), self.layers[0].seen)), real], dim=1).long()
+                self.probing = probe
+                decoder(input_ids=ids, attention_mask=mask, position_ids=positions.clamp_min(0), cache=self,
+                        use_cache=True)
+                for layer, snapshot in zip(self.layers, snapshots):
+                    layer.restore(snapshot)
+        finally:
+            self.probing = None
+        self.probed = True
+        self._prompt = []
 
     def end_of_forward(self) -> None:
         """Called by the decoder's forward hook after every forward pass; passes inside ``hold()``
@@ -258,6 +357,8 @@ class CompressedCache(Cache):
         if not self.allocated:
             if self.forwards < self.policy.compress_after_forward:
                 return
+            if self.policy.probes and not self.probed and any(layer.observing for layer in self.layers):
+                self._probe()
             self._allocate()
         elif not self.policy.evicts_during_decode:
             return
@@ -283,6 +384,7 @@ class CompressedCache(Cache):
             layer.observing = (layer.window is None and self.policy.evicts_during_decode
                                and bool((layer.budget != UNLIMITED).any()))
         self.allocated = True
+        self._prompt = []
 
     def limit(self, layer: CompressedLayer) -> torch.Tensor:
         """(B,) the layer's budget now: as allocated, never below the floor ``min(seen, min_tokens)``
@@ -404,3 +506,11 @@ class CompressedCache(Cache):
         return CacheReport(method=self.policy.name, budget=str(self.budget) if held else None,
                            min_tokens=self.budget.min_tokens if held and self.budget.ratio is not None else None,
                            layers=layers)
+
+
+@lru_cache(maxsize=8)
+def _saved_tokenizer(path: str):
+    """The tokenizer saved with a model at ``path`` (a folder, or a name transformers resolves)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)

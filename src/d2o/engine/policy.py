@@ -2,10 +2,12 @@
 
 The cache calls, in order: ``stats_request`` and ``observe`` in every attention call (which
 statistics to compute, and folding them into per-slot state); ``observe_tokens`` after a pass, if
-the policy scores by surprisal; ``allocate`` once, when compression starts (each layer's budget per
-row); then for every layer over its budget ``score`` and ``protected`` (which slots to keep) and,
-if the policy has a ``merge``, ``merge.merge`` (what becomes of the evicted tokens). ``report``
-adds the policy's own per-layer diagnostics to the cache's report.
+the policy scores by surprisal; ``probe``, when compression starts, if the policy ``probes`` (more
+tokens to run through the model and observe before compressing, taken out of the cache after each
+pass); ``allocate`` once, when compression starts (each layer's budget per row); then for every
+layer over its budget ``score`` and ``protected`` (which slots to keep) and, if the policy has a
+``merge``, ``merge.merge`` (what becomes of the evicted tokens). ``report`` adds the policy's own
+per-layer diagnostics to the cache's report.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 if TYPE_CHECKING:
+    from d2o.budget import Budget
     from d2o.engine.cache import CompressedCache
     from d2o.engine.stats import AttentionStats, StatsRequest
     from d2o.engine.storage import CompressedLayer, RowState
@@ -38,6 +41,19 @@ class Evicted:
     valid: torch.Tensor
     slot_state: dict[str, torch.Tensor]
     log_weight: torch.Tensor | None = None
+
+
+@dataclass
+class ProbePass:
+    """Tokens run through the model after the prompt, observed, then taken out of the cache (KVzip's
+    reconstruction of a context): ``ids``, one list per row (rows may differ in length; an empty
+    list sits the pass out); ``spans``: per row, the prompt tokens [start, end) the pass is about
+    (the policy's to read); ``tag``: whose pass it is (a policy combining others routes by it).
+    While it runs, ``cache.probing`` is this pass."""
+
+    ids: list[list[int]]
+    spans: list[tuple[int, int]] | None = None
+    tag: Any = None
 
 
 # Bytes of one value of slot state (float32 scores, int32 counts), whatever the model's dtype.
@@ -76,7 +92,15 @@ class Policy(Protocol):
     needs_surprisal: bool  # True: the engine computes every new token's surprisal for ``observe_tokens``
     repeats_kv_heads: bool  # True: KV heads stored once per query head (the released D2O code's storage)
     keeps_everything: bool  # True: the budget is ignored (the full cache), and reported as none
+    probes: bool  # True: the cache records the prompt's token ids and runs ``probe``'s passes before compressing
     merge: Merge | None
+
+    def probe(self, cache: CompressedCache, prompts: list[list[int]]) -> list[ProbePass]:
+        """The passes to run and observe before the first compression, given each row's prompt
+        token ids (padding left out)."""
+
+    def budget_for(self, budget: Budget) -> Budget:
+        """The budget a cache of this policy holds when given ``budget``."""
 
     def new_layer_state(self) -> RowState | None:
         """The method's own per-layer state for a new cache (None if it keeps none)."""
@@ -90,7 +114,8 @@ class Policy(Protocol):
 
     def observe(self, layer: CompressedLayer, stats: AttentionStats) -> None: ...
 
-    def observe_tokens(self, cache: CompressedCache, surprisal: torch.Tensor) -> None: ...
+    def observe_tokens(self, cache: CompressedCache, surprisal: torch.Tensor, input_ids: torch.Tensor) -> None:
+        """The new tokens' surprisal (B, q) and ids (B, q), if ``needs_surprisal``."""
 
     def allocate(self, cache: CompressedCache, totals: torch.Tensor) -> torch.Tensor:
         """Per-row, per-layer budgets (B, L) (``UNLIMITED``: never evict) summing to ``totals`` (B,)."""

@@ -25,26 +25,45 @@ def as_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class StatsRequest:
-    """What a method needs from one forward pass of one layer."""
+    """What a method needs from one forward pass of one layer.
+
+    ``visible`` (B, G, N) bool, if given, restricts the softmax of the statistics (not of the
+    output) to those slots and the pass's own tokens: KVzip scores each reconstructed chunk of a
+    context against that chunk alone.
+    """
 
     column_mass: bool = False  # attention each slot received, summed over this pass's real queries
     window: int = 0  # attention rows of the last `window` queries
+    column_max: bool = False  # the largest attention any of this pass's real queries paid each slot
+    queries: bool = False  # this pass's queries as the attention saw them (after RoPE), and their tokens
+    visible: torch.Tensor | None = None
+
+    @property
+    def columns(self) -> bool:
+        """True when every query row's probabilities are needed (column mass or maximum)."""
+        return self.column_mass or self.column_max
 
 
 @dataclass
 class AttentionStats:
     """Statistics of one forward pass of one layer, per query head grouped by KV head.
 
-    ``n_query``: the queries of the pass. ``column_mass``: (B, G, group, N) float32, or None.
-    ``window``: (B, G, group, w, N) float32 (the rows of the last w queries; rows of padding
-    queries are zero), or None. ``output``: (B, H, q, D), the attention's output, when the values
-    were given (the statistics then computed it from the same probabilities).
+    ``n_query``: the queries of the pass. ``column_mass``, ``column_max``: (B, G, group, N)
+    float32, or None. ``window``: (B, G, group, w, N) float32 (the rows of the last w queries;
+    rows of padding queries are zero), or None. ``output``: (B, H, q, D), the attention's output,
+    when the values were given (the statistics then computed it from the same probabilities).
+    ``queries`` (B, H, q, D): the pass's queries after RoPE, unscaled; ``query_index`` (B, q) the
+    token index of each (-1: padding); ``scaling``: the factor of the attention's logits.
     """
 
     n_query: int
     column_mass: torch.Tensor | None = None
     window: torch.Tensor | None = None
     output: torch.Tensor | None = None
+    column_max: torch.Tensor | None = None
+    queries: torch.Tensor | None = None
+    query_index: torch.Tensor | None = None
+    scaling: float | None = None
 
 
 def allowed_keys(
@@ -78,8 +97,8 @@ def attention_stats(
     value: torch.Tensor | None = None,
 ) -> AttentionStats:
     """Compute ``request`` for queries (B, H, q, D) over keys (B, G, N, D), exactly, in query chunks;
-    with ``value`` (B, G, N, D) given and column mass asked for, the attention output as well, from
-    the same probabilities (one pass over the scores instead of two).
+    with ``value`` (B, G, N, D) given and column statistics asked for, the attention output as well,
+    from the same probabilities (one pass over the scores instead of two).
 
     ``kv_valid`` (B, G, N) marks real slots per KV head (the last q are the queries' own),
     ``query_valid`` (B, q) real queries: padding queries contribute nothing; ``log_weight``
@@ -93,14 +112,16 @@ def attention_stats(
     past = n_keys - n_query
     window_rows = min(request.window, n_query)
     window_start = n_query - window_rows
-    if not request.column_mass and not window_rows:
+    if not request.columns and not window_rows:
         return AttentionStats(n_query)
-    mass = key.new_zeros((batch, kv_heads, group, n_keys), dtype=torch.float32) if request.column_mass else None
+    columns = (batch, kv_heads, group, n_keys)
+    mass = key.new_zeros(columns, dtype=torch.float32) if request.column_mass else None
+    most = key.new_zeros(columns, dtype=torch.float32) if request.column_max else None
     window = key.new_zeros((batch, kv_heads, group, window_rows, n_keys), dtype=torch.float32) if window_rows else None
-    first = 0 if request.column_mass else window_start  # only the window's rows are needed without mass
+    first = 0 if request.columns else window_start  # only the window's rows are needed without column statistics
     work = torch.promote_types(query.dtype, torch.float32)  # float32 at least (a float64 model keeps float64)
     output = None
-    if value is not None and request.column_mass:
+    if value is not None and request.columns:
         output = torch.empty((batch, heads, n_query, value.shape[-1]), dtype=work, device=query.device)
     chunk = min(n_query - first, max(1, CHUNK_ELEMENTS // max(1, group * n_keys)))
     lowest = torch.finfo(work).min
@@ -140,12 +161,14 @@ def attention_stats(
                     probs.mul_(query_valid[b, None, start:end, None])
                 if mass is not None:
                     mass[b, g, :, :visible] += probs.sum(dim=1)
+                if most is not None:
+                    torch.maximum(most[b, g, :, :visible], probs.amax(dim=1), out=most[b, g, :, :visible])
                 if window is not None and end > window_start:
                     low = max(start, window_start)
                     window[b, g, :, low - window_start : end - window_start, :visible] = probs[:, low - start :]
     if output is not None:
         output = output.transpose(1, 2).to(query.dtype)  # (B, q, H, D), as attention functions return it
-    return AttentionStats(n_query, column_mass=mass, window=window, output=output)
+    return AttentionStats(n_query, column_mass=mass, window=window, output=output, column_max=most)
 
 
 # Logits held at once while computing surprisal (float32 elements): 16 MB.

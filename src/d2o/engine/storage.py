@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 _active = threading.local()
 
 TOKEN_INDEX_DTYPE = torch.long  # each slot's token index, per KV head
+HOOK_PREFIX = "d2o_"  # the attention implementations d2o registers are named d2o_sdpa and d2o_eager
 
 
 def claim_active_layer(key: torch.Tensor) -> CompressedLayer | None:
@@ -163,7 +164,10 @@ class CompressedLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if self.pending:
+        # Asked before anything is stored: the stock attention would run on this cache's tensors
+        # (KV heads stored repeated fail there with a size mismatch) and never admit them.
+        implementation = str(getattr(self.cache.config, "_attn_implementation", ""))
+        if self.pending or not implementation.startswith(HOOK_PREFIX):
             raise D2OError(
                 "the model's attention is not d2o's hook: call d2o.install(model) (d2o.load_model does it) "
                 "before running it with a compressed cache"
@@ -225,6 +229,10 @@ class CompressedLayer(CacheLayerMixin):
             return self.written
         batch, heads, n_slots = self.token_index.shape
         return torch.arange(n_slots - q, n_slots, device=self.token_index.device).expand(batch, heads, q)
+
+    def fresh_real(self, q: int) -> torch.Tensor:
+        """(B, q) bool: which tokens of the last pass are real (not padding)."""
+        return self.token_index[:, 0].gather(1, self.fresh_slots(q)[:, 0]) >= 0
 
     def get_seq_length(self) -> int:
         # Tokens seen, not kept: the model derives positions from it and `generate` decides from it
@@ -304,6 +312,24 @@ class CompressedLayer(CacheLayerMixin):
         self.seen = max(layer.seen for layer in layers)
         self.owns_storage = True
         self.holes = None
+
+    # -- probing: passes observed, then taken out ------------------------------------------------
+    def snapshot(self) -> tuple:
+        """What ``restore`` needs to take out every token fed after this call (nothing is evicted
+        in between: a probe runs before compression)."""
+        return (self.keys, self.values, self.token_index, self.log_weight, self.real_seen, self.seen,
+                self.owns_storage)
+
+    def restore(self, snapshot: tuple) -> None:
+        """The layer as it was at ``snapshot``, but for the slot state that the passes since wrote
+        into its slots (a probe's statistics); the tokens fed since are gone."""
+        (self.keys, self.values, self.token_index, self.log_weight, self.real_seen, self.seen,
+         self.owns_storage) = snapshot
+        if self.token_index is None:
+            return
+        n_slots = self.token_index.shape[2]
+        self.slot_state = {name: state[:, :, :n_slots].contiguous() for name, state in self.slot_state.items()}
+        self.written = self.holes = self.held_window = None
 
     # -- what the attention hook and the methods use --------------------------------------------
     def admit(self, new_valid: torch.Tensor | None) -> None:

@@ -52,7 +52,7 @@ class Runner:
         self.stop_ids = stop_token_ids(model, tokenizer)
 
     def cache(self, method: str, budget: Budget) -> CompressedCache:
-        return CompressedCache(self.model, self.methods[method], budget)
+        return CompressedCache(self.model, self.methods[method], budget, tokenizer=self.tokenizer)
 
     def answer(self, task, sample, ids: list[int], question: list[int], todo: list[Run]) -> Iterator[Outcome]:
         """Every run of ``todo`` answers ``sample`` (greedy), yielded as each finishes; one prefill of
@@ -62,7 +62,7 @@ class Runner:
                      if not self.methods[name].repeats_kv_heads]
         prefill = None
         if self.shared_prefill and shareable:
-            prefill = SharedPrefill(self.model, [self.methods[name] for name in shareable])
+            prefill = SharedPrefill(self.model, [self.methods[name] for name in shareable], self.tokenizer)
             shared = self._prefill(prefill.cache, ids, sample)
         for run in todo:
             start = time.perf_counter()

@@ -2,6 +2,7 @@
 
 # Importing a method's module registers it; the order is the order of `d2o methods`.
 from d2o.methods import full, local, streamingllm, h2o, tova, snapkv, pyramidkv, cam, roco, sirllm  # noqa: F401, I001
+from d2o.methods import kvzip, expected_attention  # noqa: F401, I001
 from d2o.methods.allocation import ExponentialDecay, InverseVariance, Pyramid, Uniform
 from d2o.methods.base import REGISTRY, Method, get_method
 from d2o.methods.d2o import D2O, SimilarityMerge

@@ -24,8 +24,9 @@ if TYPE_CHECKING:
 class Allocation:
     """Base: equal weights. Subclasses override ``layer_weights``."""
 
-    def weights(self, cache: CompressedCache, layers: list[int]) -> torch.Tensor:
-        """(B, len(layers)) non-negative weights of the compressed ``layers``."""
+    def weights(self, cache: CompressedCache, layers: list[int], totals: torch.Tensor) -> torch.Tensor:
+        """(B, len(layers)) non-negative weights of the compressed ``layers``, which share
+        ``totals`` (B,) tokens."""
         batch = cache.layers[0].real_seen.shape[0]
         return self.layer_weights(len(layers)).double().expand(batch, -1)
 
@@ -90,7 +91,7 @@ class InverseVariance(Allocation):
         if not 0.0 <= self.r_min < 1.0:
             raise D2OError(f"r_min={self.r_min!r} must be in [0, 1)")
 
-    def weights(self, cache: CompressedCache, layers: list[int]) -> torch.Tensor:
+    def weights(self, cache: CompressedCache, layers: list[int], totals: torch.Tensor) -> torch.Tensor:
         density = torch.stack([layer_density(cache.layers[i]) for i in layers], dim=-1)
         return torch.softmax(-density.double(), dim=-1)
 
@@ -98,9 +99,31 @@ class InverseVariance(Allocation):
         return math.floor(self.r_min * prompt_tokens)
 
 
+@dataclass
+class ScoreShare(Allocation):
+    """KVzip's: one threshold over every layer's scores. Each layer's weight is how many of the
+    row's ``totals x kv_heads`` highest (token, KV head) scores of the method are its own, so a
+    layer whose tokens score high keeps more. KVzip lets each KV head keep its own count; here the
+    KV heads of a layer keep as many (the layer's count over its heads, shared evenly)."""
+
+    def weights(self, cache: CompressedCache, layers: list[int], totals: torch.Tensor) -> torch.Tensor:
+        policy = cache.policy
+        scores = torch.stack([policy.score(cache.layers[i]).float().masked_fill(~cache.layers[i].valid, -math.inf)
+                              for i in layers], dim=1)  # (B, L, G, N): before compression every layer holds the prompt
+        batch, n_layers = scores.shape[:2]
+        per_layer = scores[0, 0].numel()
+        counts = torch.zeros((batch, n_layers), dtype=torch.float64)
+        for row, total in enumerate(totals.tolist()):
+            kept = min(max(int(total), 0) * scores.shape[2], scores[row].numel())
+            top = scores[row].flatten().topk(kept).indices
+            counts[row] = torch.bincount(top // per_layer, minlength=n_layers).double().cpu()
+        return counts
+
+
 def allocation_named(name: str) -> Allocation:
-    """An allocation strategy by name: uniform, pyramid, expdecay or variance (D2O's)."""
-    strategies = {"uniform": Uniform, "pyramid": Pyramid, "expdecay": ExponentialDecay, "variance": InverseVariance}
+    """An allocation strategy by name: uniform, pyramid, expdecay, variance (D2O's) or scores (KVzip's)."""
+    strategies = {"uniform": Uniform, "pyramid": Pyramid, "expdecay": ExponentialDecay, "variance": InverseVariance,
+                  "scores": ScoreShare}
     if name not in strategies:
         raise D2OError(f"allocation={name!r} must be one of {', '.join(strategies)}")
     return strategies[name]()

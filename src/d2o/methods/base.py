@@ -6,10 +6,13 @@ The engine asks it, in order:
 
 1. ``stats_request(layer, n_query)``: which attention statistics to compute in this pass;
 2. ``observe(layer, stats)``: fold them into per-slot state (``layer.slot_state``);
-3. ``allocate(cache, totals)``: once, each layer's budget per row, (B, L), summing to ``totals``;
-4. ``score(layer)``: a (B, kv_heads, slots) tensor, higher = keep;
-5. ``protected(layer, target)``: (B, kv_heads, slots) bool, slots kept whatever their score;
-6. ``merge`` (optional component): what becomes of the evicted slots.
+3. ``probe(cache, prompts)``, if the method ``probes``: passes run through the model after the
+   prompt and observed (1 and 2 again, ``cache.probing`` set), then taken out of the cache
+   (KVzip's reconstruction of the context);
+4. ``allocate(cache, totals)``: once, each layer's budget per row, (B, L), summing to ``totals``;
+5. ``score(layer)``: a (B, kv_heads, slots) tensor, higher = keep;
+6. ``protected(layer, target)``: (B, kv_heads, slots) bool, slots kept whatever their score;
+7. ``merge`` (optional component): what becomes of the evicted slots.
 
 The engine then keeps, per row and KV head, the protected slots and the best-scoring others.
 Per-layer state a method needs beyond its slots is a typed ``RowState`` of its own
@@ -26,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar
 import torch
 
 from d2o.budget import UNLIMITED, Budget
-from d2o.engine.policy import Merge
+from d2o.engine.policy import Merge, ProbePass
 from d2o.engine.stats import AttentionStats, StatsRequest
 from d2o.errors import D2OError
 from d2o.methods.allocation import Allocation, Uniform, allocation_named, conserve
@@ -61,6 +64,8 @@ class Method:
     keeps_everything: ClassVar[bool] = False
     # False: the layers' budgets need not add up to the total (a memory plan reserves the full cache).
     conserves_budget: ClassVar[bool] = True
+    # True: before compressing, the cache runs the passes of `probe` through the model and observes them.
+    probes: ClassVar[bool] = False
 
     n_sinks: int = 0
     allocation: Allocation = field(default_factory=Uniform)
@@ -80,7 +85,7 @@ class Method:
         """Refuse parts that are not what they must be, or do not fit together (run again once
         ``get_method`` set nested options)."""
         check(isinstance(self.allocation, Allocation), "allocation", self.allocation,
-              "must be an allocation: uniform, pyramid, expdecay or variance")
+              "must be an allocation: uniform, pyramid, expdecay, variance or scores")
         check(self.merge is None or all(callable(getattr(self.merge, name, None)) for name in ("merge", "new_state")),
               "merge", self.merge, "must be a merge (set its fields with merge.NAME=VALUE) or none")
 
@@ -105,8 +110,18 @@ class Method:
     def observe(self, layer: CompressedLayer, stats: AttentionStats) -> None:
         pass
 
-    def observe_tokens(self, cache: CompressedCache, surprisal: torch.Tensor) -> None:
-        """The new tokens' surprisal (B, q), if ``needs_surprisal``; called before compression."""
+    def observe_tokens(self, cache: CompressedCache, surprisal: torch.Tensor, input_ids: torch.Tensor) -> None:
+        """The new tokens' surprisal (B, q) and ids, if ``needs_surprisal``; called before compression."""
+
+    def probe(self, cache: CompressedCache, prompts: list[list[int]]) -> list[ProbePass]:
+        """If ``probes``: the passes to run through the model and observe before the first
+        compression (each taken out of the cache after it), given each row's prompt token ids."""
+        return []
+
+    def probe_tokens(self, prompt_tokens: int) -> int:
+        """The most tokens one probe pass adds to every layer for a prompt of ``prompt_tokens``
+        (an upper bound: a memory plan reserves it during the prefill)."""
+        return 0
 
     # -- budgets --------------------------------------------------------------------------------
     @property
@@ -128,6 +143,11 @@ class Method:
         if budget.ratio is not None and 0 < budget.min_tokens < self.min_layer_budget and not self.keeps_everything:
             raise D2OError(f"min_tokens={budget.min_tokens} is too low a floor: {self.name} needs at least "
                            f"{self.min_layer_budget} ({self.min_budget_reason()})")
+
+    def budget_for(self, budget: Budget) -> Budget:
+        """The budget a cache of this method holds when given ``budget`` (a method reproducing code
+        that has no floor drops the default one)."""
+        return budget
 
     def exempt_of(self, n_layers: int) -> set[int]:
         """The exempt layers among ``n_layers`` (negative indices from the last), each checked."""
@@ -155,12 +175,12 @@ class Method:
         n_layers = cache.n_layers
         exempt = self.exempt_among(n_layers, cache.compressible)
         active = [i for i in cache.compressible if i not in exempt]
-        prompt = cache.layers[0].real_seen
-        weights = self.allocation.weights(cache, active).double()  # (B, len(active))
+        prompt = cache.layers[0].real_seen.cpu()
+        shared = totals - len(exempt) * prompt  # exempt layers hold the whole prompt
+        weights = self.allocation.weights(cache, active, shared).double()  # (B, len(active))
         budgets = torch.full((len(prompt), n_layers), UNLIMITED, dtype=torch.long)
         reserved = self.reserved
-        for row, (length, total) in enumerate(zip(prompt.tolist(), totals.tolist())):
-            total -= len(exempt) * length  # exempt layers hold the whole prompt
+        for row, (length, total) in enumerate(zip(prompt.tolist(), shared.tolist())):
             if total >= len(active) * length:  # the budget covers the prompt: nothing to evict yet
                 # but every layer gets what the method needs once it must evict (a short prompt's
                 # layers would otherwise start below it and drop each new token, or a sink)
@@ -229,6 +249,7 @@ class Entry:
     summary: str
     build: Callable[..., Method]
     cls: type[Method]
+    ablation: bool = False  # a part removed or swapped to explain a result, not a method to choose
 
 
 REGISTRY: dict[str, Entry] = {}
@@ -240,9 +261,10 @@ def register(cls: type[Method]) -> type[Method]:
     return cls
 
 
-def register_variant(name: str, summary: str, build: Callable[..., Method], cls: type[Method]) -> None:
+def register_variant(name: str, summary: str, build: Callable[..., Method], cls: type[Method],
+                     ablation: bool = False) -> None:
     """A named configuration of ``cls`` (an ablation, a parity preset)."""
-    REGISTRY[name] = Entry(name, summary, build, cls)
+    REGISTRY[name] = Entry(name, summary, build, cls, ablation)
 
 
 def get_method(name: str, **options) -> Method:

@@ -50,8 +50,8 @@ class H2O(HeavyRecent):
     def observe(self, layer, stats: AttentionStats) -> None:
         self.scoring.observe(layer, stats)
 
-    def observe_tokens(self, cache, surprisal: torch.Tensor) -> None:
-        self.scoring.observe_tokens(cache, surprisal)
+    def observe_tokens(self, cache, surprisal: torch.Tensor, input_ids: torch.Tensor) -> None:
+        self.scoring.observe_tokens(cache, surprisal, input_ids)
 
     def score(self, layer) -> torch.Tensor:
         return self.scoring.score(layer)

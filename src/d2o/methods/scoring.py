@@ -9,7 +9,9 @@ information, whatever is asked later).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import ClassVar, Protocol
 
 import torch
@@ -20,7 +22,7 @@ from d2o.engine.stats import AttentionStats, StatsRequest
 from d2o.errors import D2OError
 from d2o.options import whole
 
-MASS, VOTES, SURPRISAL = "mass", "votes", "surprisal"  # slot state
+MASS, VOTES, SURPRISAL, NOVELTY = "mass", "votes", "surprisal", "novelty"  # slot state
 
 
 class Scoring(Protocol):
@@ -33,7 +35,7 @@ class Scoring(Protocol):
 
     def observe(self, layer, stats: AttentionStats) -> None: ...
 
-    def observe_tokens(self, cache, surprisal: torch.Tensor) -> None: ...
+    def observe_tokens(self, cache, surprisal: torch.Tensor, input_ids: torch.Tensor) -> None: ...
 
     def score(self, layer) -> torch.Tensor: ...
 
@@ -61,7 +63,7 @@ class AccumulatedAttention:
     def observe(self, layer, stats: AttentionStats) -> None:
         accumulate_mass(layer, stats)
 
-    def observe_tokens(self, cache, surprisal: torch.Tensor) -> None:
+    def observe_tokens(self, cache, surprisal: torch.Tensor, input_ids: torch.Tensor) -> None:
         pass
 
     def score(self, layer) -> torch.Tensor:
@@ -82,7 +84,13 @@ class BlendedScores(AccumulatedAttention):
       own queries outvote the one strong look of a retrieving query);
     - the token's surprisal ``-log p(token | before)`` in a pass, weighted by ``surprisal``: what
       the model could not predict is information, wherever the question comes. ``surprisal=0``
-      drops the share (and the logits it costs).
+      drops the share (and the logits it costs);
+    - the novelty of the token's sentence, weighted by ``novelty``: the mean surprisal of its
+      sentence (the tokens up to one whose text ends a sentence or a line, at most
+      ``sentence_limit`` of them). A fact a later question asks about is a sentence the model
+      could not predict as a whole, off the surrounding text's topic, and it is kept whole; a
+      token's own surprisal finds rare words everywhere, a needle's digits less than a rare name.
+      A sentence split between two passes (a chunked prefill, decoding) counts as two.
 
     Votes and surprisal then spread in token order: a vote on a token reaches the ``span[0]``
     tokens before it and the ``span[1]`` after it (each token keeps the largest that reaches it;
@@ -99,6 +107,8 @@ class BlendedScores(AccumulatedAttention):
     span: tuple[int, int] = (3, 8)
     surprisal: float = 2.0
     surprisal_span: tuple[int, int] = (3, 16)
+    novelty: float = 0.0
+    sentence_limit: int = 64
 
     def __post_init__(self):
         if not whole(self.window) or self.window < 0:
@@ -112,19 +122,23 @@ class BlendedScores(AccumulatedAttention):
                 raise D2OError(f"{name}={value!r} must be two whole numbers >= 0: the tokens before and after "
                                f"a voted one")
             setattr(self, name, tuple(value))
-        if not self.surprisal >= 0:
-            raise D2OError(f"surprisal={self.surprisal!r} must be >= 0")
+        for name in ("surprisal", "novelty"):
+            if not getattr(self, name) >= 0:
+                raise D2OError(f"{name}={getattr(self, name)!r} must be >= 0")
+        if not whole(self.sentence_limit) or self.sentence_limit < 1:
+            raise D2OError(f"sentence_limit={self.sentence_limit!r} must be a whole number of tokens >= 1")
 
     @property
     def needs_surprisal(self) -> bool:
-        return self.surprisal > 0
+        return self.surprisal > 0 or self.novelty > 0
 
     @property
     def keeps(self) -> tuple[str, ...]:
-        return (MASS,) + ((VOTES,) if self.window else ()) + ((SURPRISAL,) if self.surprisal else ())
+        return ((MASS,) + ((VOTES,) if self.window else ()) + ((SURPRISAL,) if self.surprisal else ())
+                + ((NOVELTY,) if self.novelty else ()))
 
     def slot_state_bytes(self, group: int) -> int:
-        return super().slot_state_bytes(group) + STATE_VALUE_BYTES * (len(self.keeps) - 1)  # votes, surprisal
+        return super().slot_state_bytes(group) + STATE_VALUE_BYTES * (len(self.keeps) - 1)  # one value each
 
     def stats_request(self, layer, n_query: int) -> StatsRequest:
         return StatsRequest(column_mass=True, window=self.window)
@@ -136,8 +150,13 @@ class BlendedScores(AccumulatedAttention):
             votes = stats.window.amax(dim=(2, 3)) if self.votes == "max" else stats.window.sum(dim=(2, 3))
             layer.slot_state[VOTES] = spread_in_token_order(votes, layer.token_index, self.span)
 
-    def observe_tokens(self, cache, surprisal: torch.Tensor) -> None:
-        record_surprisal(cache, spread(surprisal, self.surprisal_span))
+    def observe_tokens(self, cache, surprisal: torch.Tensor, input_ids: torch.Tensor) -> None:
+        if self.surprisal:
+            record_tokens(cache, SURPRISAL, spread(surprisal, self.surprisal_span))
+        if self.novelty:
+            ends = sentence_ends(cache.tokenizer, cache.config.vocab_size).to(input_ids.device)[input_ids]
+            real = cache.layers[0].fresh_real(input_ids.shape[1])
+            record_tokens(cache, NOVELTY, sentence_means(surprisal, ends, real, self.sentence_limit))
 
     def score(self, layer) -> torch.Tensor:
         valid = layer.valid
@@ -149,6 +168,8 @@ class BlendedScores(AccumulatedAttention):
             total += share(layer.slot_state[VOTES], valid)
         if self.surprisal and SURPRISAL in layer.slot_state:
             total += self.surprisal * share(layer.slot_state[SURPRISAL], valid)
+        if self.novelty and NOVELTY in layer.slot_state:
+            total += self.novelty * share(layer.slot_state[NOVELTY], valid)
         return total
 
 
@@ -200,16 +221,48 @@ def accumulate_mass(layer, stats: AttentionStats) -> None:
         layer.slot_state[MASS] = mass.contiguous()
 
 
-def record_surprisal(cache, surprisal: torch.Tensor, decay: float = 1.0) -> None:
-    """Write the new tokens' surprisal (B, q) into the slot state ``surprisal`` of every layer,
-    the older tokens' first multiplied by ``decay``."""
-    batch, n_new = surprisal.shape
+def record_tokens(cache, name: str, values: torch.Tensor, decay: float = 1.0) -> None:
+    """Write the new tokens' ``values`` (B, q) into the slot state ``name`` of every layer, the
+    older tokens' first multiplied by ``decay``."""
+    batch, n_new = values.shape
     for layer in cache.layers:
-        scores = layer.slot_state.get(SURPRISAL)
+        scores = layer.slot_state.get(name)
         if scores is None:
-            scores = torch.zeros(layer.token_index.shape, dtype=torch.float32, device=surprisal.device)
+            scores = torch.zeros(layer.token_index.shape, dtype=torch.float32, device=values.device)
         elif decay != 1.0:
             scores *= decay  # the new tokens' slots are overwritten just below
         fresh = layer.fresh_slots(n_new)
-        scores.scatter_(2, fresh, surprisal[:, None, :].expand(batch, fresh.shape[1], n_new))
-        layer.slot_state[SURPRISAL] = scores
+        scores.scatter_(2, fresh, values[:, None, :].expand(batch, fresh.shape[1], n_new))
+        layer.slot_state[name] = scores
+
+
+# A token whose text holds one of these ends a sentence (or a line).
+SENTENCE_END = re.compile(r"[.!?\n\u3002\uff01\uff1f]")  # . ! ? a line break, and the ideographic ones
+
+
+@lru_cache(maxsize=4)
+def sentence_ends(tokenizer, vocab_size: int) -> torch.Tensor:
+    """(vocab_size,) bool: the token ids whose text ends a sentence (ids the tokenizer lacks: no)."""
+    size = min(len(tokenizer), vocab_size)
+    texts = tokenizer.batch_decode([[i] for i in range(size)])
+    ends = torch.zeros(vocab_size, dtype=torch.bool)
+    ends[:size] = torch.tensor([bool(SENTENCE_END.search(text)) for text in texts])
+    return ends
+
+
+def sentence_means(values: torch.Tensor, ends: torch.Tensor, real: torch.Tensor, limit: int) -> torch.Tensor:
+    """(B, q): each real token's value replaced by the mean over its sentence, the tokens after one
+    that ends a sentence (``ends``) up to and including the next such token, cut every ``limit``
+    tokens; padding (``real`` False) neither counts nor gets one."""
+    batch, n = values.shape
+    ends = (ends & real) | ~real  # each padding token a sentence of its own, weighing nothing
+    index = torch.arange(n, device=values.device).expand(batch, n)
+    last_end = torch.where(ends, index, -1).cummax(dim=1).values
+    start = F.pad(last_end[:, :-1], (1, 0), value=-1) + 1  # the first token of each token's sentence
+    key = (start * (n // limit + 1) + (index - start) // limit
+           + torch.arange(batch, device=values.device)[:, None] * n * (n // limit + 1))
+    _, sentence = torch.unique(key, return_inverse=True)
+    weight = real.to(values.dtype)
+    sums = values.new_zeros(int(sentence.max()) + 1).index_add_(0, sentence.flatten(), (values * weight).flatten())
+    counts = values.new_zeros(sums.shape).index_add_(0, sentence.flatten(), weight.flatten())
+    return (sums / counts.clamp_min(1))[sentence] * weight

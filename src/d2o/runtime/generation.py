@@ -72,7 +72,7 @@ def generate(
     check_length(model, max(len(row) for row in rows), max_new_tokens)
     stops = stop_token_ids(model, tokenizer)
     sequences = [Sequence(tokenizer, max_new_tokens, sampling, stops, stop) for _ in rows]
-    cache = CompressedCache(model, method, budget)
+    cache = CompressedCache(model, method, budget, tokenizer=tokenizer)
     Batch.prefill(model, cache, rows, sequences).run()
     return Generation(
         texts=[s.text for s in sequences],

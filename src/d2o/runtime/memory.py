@@ -3,7 +3,8 @@
 What a server admits and what ``bench fit`` packs under a memory cap. A layer holds K and V for
 every kept slot, and beside them each slot's token index and method state (``slot_bytes``); a
 prompt is prefilled whole before it is compressed, so the prefill holds every prompt token in
-every layer; while decoding, a method that evicts holds its budget (plus the one
+every layer (and, for a method that probes, its longest probe pass beside them); while decoding, a
+method that evicts holds its budget (plus the one
 slot a new token is written into), a method that compresses once grows by every generated token,
 and the full cache holds everything. A sliding-window layer (Gemma 3) holds its window whatever the
 method. A method whose layer budgets need not add up to its total (``d2o-official``) is planned as
@@ -79,7 +80,8 @@ def plan(config, method: Method, budget: Budget, prompt_tokens: int, new_tokens:
         held += exempt * length
     global_slot = per_slot[compressible[0]] if compressible else 0  # every global layer's slot is alike
     sliding = sum(min(length, window) * slot for window, slot in zip(windows, per_slot) if window is not None)
-    return KVPlan(prefill_bytes=prompt_tokens * sum(per_slot), held_bytes=held * global_slot + sliding)
+    prefill = (prompt_tokens + method.probe_tokens(prompt_tokens)) * sum(per_slot)
+    return KVPlan(prefill_bytes=prefill, held_bytes=held * global_slot + sliding)
 
 
 def peak_slots(cache, new_tokens: int) -> torch.Tensor:

@@ -11,12 +11,15 @@ which compresses exactly as if that method had run the prefill alone.
 from __future__ import annotations
 
 from collections.abc import MutableMapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from d2o.engine.cache import CompressedCache
+from d2o.engine.policy import ProbePass
 from d2o.engine.stats import AttentionStats, StatsRequest
+from d2o.engine.storage import RowState
+from d2o.errors import D2OError
 from d2o.methods.base import Method
 
 
@@ -43,19 +46,29 @@ class _Namespace(MutableMapping):
 
 
 class _View:
-    """A layer (or cache) as method i sees it while observing: everything shared but its slot
-    state (no method keeps per-layer state before it compresses, which is after the fork)."""
+    """A layer (or cache) as method ``index`` sees it while observing: everything shared but its
+    slot state (the slice under ``prefix``) and its per-layer state (its part of ``_States``)."""
 
-    def __init__(self, target, prefix: str):
+    def __init__(self, target, prefix: str, index: int):
         self._target, self._prefix = target, prefix
-        self.state = None
         if hasattr(target, "slot_state"):
             self.slot_state = _Namespace(target.slot_state, prefix)
+            self.state = None if target.state is None else target.state.parts[index]
         if hasattr(target, "layers"):
-            self.layers = [_View(layer, prefix) for layer in target.layers]
+            self.layers = [_View(layer, prefix, index) for layer in target.layers]
 
     def __getattr__(self, name):
         return getattr(self._target, name)
+
+
+@dataclass
+class _States(RowState):
+    """Each method's own per-layer state, side by side."""
+
+    parts: tuple = ()
+
+    def map_rows(self, fn) -> _States:
+        return _States(tuple(None if part is None else part.map_rows(fn) for part in self.parts))
 
 
 @dataclass
@@ -70,18 +83,30 @@ class _Observers(Method):
     def __post_init__(self):
         super().__post_init__()
         self.needs_surprisal = any(m.needs_surprisal for m in self.methods)
+        self.probes = any(m.probes for m in self.methods)
 
     def slot_state_bytes(self, group: int) -> int:
         return sum(method.slot_state_bytes(group) for method in self.methods)
 
+    def new_layer_state(self) -> _States:
+        return _States(tuple(method.new_layer_state() for method in self.methods))
+
     def requests(self, layer, n_query: int) -> list[StatsRequest | None]:
-        return [m.stats_request(_View(layer, f"{i}/"), n_query) for i, m in enumerate(self.methods)]
+        """Each method's request; during a probe pass, only the request of the method it is for."""
+        probing = layer.cache.probing
+        return [m.stats_request(_View(layer, f"{i}/", i), n_query) if probing is None or probing.tag == i else None
+                for i, m in enumerate(self.methods)]
 
     def stats_request(self, layer, n_query: int) -> StatsRequest | None:
         asked = [r for r in self.requests(layer, n_query) if r is not None]
         if not asked:
             return None
-        return StatsRequest(column_mass=any(r.column_mass for r in asked), window=max(r.window for r in asked))
+        if len(asked) == 1:
+            return asked[0]
+        if any(r.visible is not None for r in asked):
+            raise D2OError("statistics restricted to some slots are asked for by one method at a time (a probe)")
+        return StatsRequest(column_mass=any(r.column_mass for r in asked), window=max(r.window for r in asked),
+                            column_max=any(r.column_max for r in asked), queries=any(r.queries for r in asked))
 
     def observe(self, layer, stats: AttentionStats) -> None:
         for i, (method, request) in enumerate(zip(self.methods, self.requests(layer, stats.n_query))):
@@ -89,22 +114,33 @@ class _Observers(Method):
                 continue
             window = stats.window[..., stats.window.shape[-2] - min(request.window, stats.window.shape[-2]) :, :] \
                 if request.window else None
-            mass = stats.column_mass if request.column_mass else None
-            method.observe(_View(layer, f"{i}/"), AttentionStats(stats.n_query, column_mass=mass, window=window))
+            mine = replace(stats, window=window, output=None,
+                           column_mass=stats.column_mass if request.column_mass else None,
+                           column_max=stats.column_max if request.column_max else None)
+            if not request.queries:
+                mine = replace(mine, queries=None, query_index=None, scaling=None)
+            method.observe(_View(layer, f"{i}/", i), mine)
 
-    def observe_tokens(self, cache, surprisal: torch.Tensor) -> None:
+    def observe_tokens(self, cache, surprisal: torch.Tensor, input_ids: torch.Tensor) -> None:
         for i, method in enumerate(self.methods):
             if method.needs_surprisal:
-                method.observe_tokens(_View(cache, f"{i}/"), surprisal)
+                method.observe_tokens(_View(cache, f"{i}/", i), surprisal, input_ids)
+
+    def probe(self, cache, prompts: list[list[int]]) -> list[ProbePass]:
+        """Every method's probe passes, each tagged with the method it is for."""
+        return [replace(probe, tag=i) for i, method in enumerate(self.methods) if method.probes
+                for probe in method.probe(_View(cache, f"{i}/", i), prompts)]
 
 
 class SharedPrefill:
     """Prefill once for several methods; ``fork(i, budget)`` is method i's cache after that prefill."""
 
-    def __init__(self, model, methods: list[Method]):
+    def __init__(self, model, methods: list[Method], tokenizer=None):
         self.methods = list(methods)
-        self.cache = CompressedCache(model, _Observers(methods=self.methods), budget=1.0, observe=True)
+        self.cache = CompressedCache(model, _Observers(methods=self.methods), budget=1.0, observe=True,
+                                     tokenizer=tokenizer)
 
     def fork(self, index: int, budget) -> CompressedCache:
         """Method ``index``'s own cache at ``budget``, compressed now if the method compresses after the prefill."""
-        return self.cache.fork(self.methods[index], budget, slot_prefix=f"{index}/")
+        return self.cache.fork(self.methods[index], budget, slot_prefix=f"{index}/",
+                               state_of=lambda layer: layer.state.parts[index])

@@ -4,6 +4,7 @@ from d2o.methods.allocation import Uniform
 from d2o.methods.d2o.merging import SimilarityMerge
 from d2o.methods.d2o.method import D2O, variant
 from d2o.methods.d2o.plus import D2OPlus, attention_weighted_merge
+from d2o.methods.d2o.novelty import D2ONovelty
 from d2o.methods.scoring import BlendedScores
 
 variant("d2o-plus-nomerge", "d2o-plus ablation: evicted tokens dropped, not merged", D2OPlus, merge=lambda: None)
@@ -31,4 +32,8 @@ variant("d2o-plus-sumvotes", "d2o-plus ablation: votes summed over the latest qu
 variant("d2o-plus-noreach", "d2o-plus ablation: votes and surprisal spread 3 tokens each way (SnapKV's kernel 7)",
         D2OPlus, scoring=lambda: BlendedScores(span=(3, 3), surprisal_span=(3, 3)))
 
-__all__ = ["D2O", "D2OPlus", "SimilarityMerge"]
+variant("d2o-novelty-uniform", "d2o-novelty ablation: the same budget in every layer", D2ONovelty, allocation=Uniform)
+variant("d2o-novelty-nomerge", "d2o-novelty ablation: evicted tokens dropped, not merged", D2ONovelty,
+        merge=lambda: None)
+
+__all__ = ["D2O", "D2ONovelty", "D2OPlus", "SimilarityMerge"]

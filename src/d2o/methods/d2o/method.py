@@ -12,11 +12,11 @@ Three separable parts, each a field an ablation can swap:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from d2o.budget import UNLIMITED
+from d2o.budget import UNLIMITED, Budget
 from d2o.engine.policy import Merge
 from d2o.errors import D2OError
 from d2o.methods.allocation import Allocation, ExponentialDecay, InverseVariance, Pyramid, Uniform, layer_density
@@ -57,7 +57,8 @@ class D2OOfficial(D2O):
     share is lost); heavy and recent parts floor((S + 1) * part) separately, split 1:1; layers 0, 1
     and L-1 kept whole; a merge decided per token on its similarity averaged over heads and applied
     as (k + sum m_e k_e) / (1 + n); KV heads stored once per query head, so scores, eviction and
-    merging are per query head (the cache is H/G times larger: its reported bytes show it)."""
+    merging are per query head (the cache is H/G times larger: its reported bytes show it); no
+    floor under a ratio budget unless one is asked for (``--min-tokens``)."""
 
     name = "d2o-official"
     summary = "D2O as released: 1:1, exempt layers 0,1,L-1, first-decode compression, mean merge"
@@ -73,6 +74,14 @@ class D2OOfficial(D2O):
 
     def new_layer_state(self) -> OfficialState:
         return OfficialState()
+
+    def budget_for(self, budget: Budget) -> Budget:
+        """The released code has no floor: under a ratio budget the library's default one is dropped
+        (small layers would keep more than the released code keeps, and the logits part from the
+        first decode step); a floor asked for (``--min-tokens``) is kept."""
+        if budget.ratio is None or budget.floor_given:
+            return budget
+        return replace(budget, min_tokens=0)
 
     def observe(self, layer, stats) -> None:
         super().observe(layer, stats)
@@ -120,9 +129,11 @@ register_variant("d2o", D2O.summary, build_d2o, D2O)
 
 
 def variant(name: str, summary: str, cls: type[D2O] = D2O, **defaults) -> None:
-    """Register ``cls`` under ``name`` with other defaults (each a function making the value)."""
+    """Register ``cls`` under ``name`` with other defaults (each a function making the value): an
+    ablation, listed by ``d2o methods --all``."""
     register_variant(
-        name, summary, lambda **options: cls(**{**{k: v() for k, v in defaults.items()}, **options}), cls
+        name, summary, lambda **options: cls(**{**{k: v() for k, v in defaults.items()}, **options}), cls,
+        ablation=True,
     )
 
 
