@@ -168,7 +168,7 @@ def test_a_cpu_run_is_measured_on_the_cpu_even_where_a_gpu_is_present(monkeypatc
 
 def test_the_attention_matrix_is_sized_in_the_models_dtype():
     half = random_model("tiny", positions=512, dtype="bfloat16")
-    row, = bench_prefill(half, None, [512], "h2o", Budget.parse("0.2"))
+    row, = bench_prefill(half, None, [512], ["h2o"], Budget.parse("0.2"))
     assert row["attention_matrix_mib"] == 4 * 512**2 * 2 / 2**20  # 4 heads, 2 bytes each
 
 

@@ -385,7 +385,7 @@ def bench_fit(
 @bench_app.command("prefill")
 def bench_prefill(
     lengths: str = typer.Option("1024,2048,4096", help="Comma-separated prompt lengths in tokens."),
-    method: str = typer.Option("d2o"),
+    methods: str = typer.Option("d2o", help="Comma-separated methods, timed in turn with plain SDPA."),
     budget: str = typer.Option("0.2", help=BUDGET_HELP),
     repeats: int = typer.Option(1, help="Alternating repeats per length (median reported)."),
     min_tokens: Optional[int] = typer.Option(None, help=FLOOR_HELP),
@@ -393,9 +393,12 @@ def bench_prefill(
     model: str = MODEL, shape: Optional[str] = SHAPE, positions: Optional[int] = POSITIONS,
     dtype: str = DTYPE, device: Optional[str] = DEVICE, out: Path = OUT,
 ):
-    """Prefill time of METHOD over plain SDPA, and the peak memory of each against the S x S matrix."""
+    """Prefill time of each method over plain SDPA, and the peak memory of each against the S x S matrix."""
     parsed, sizes = parse_budgets([budget], min_tokens)[0], split_list(lengths, int)
+    names = distinct(split_list(methods), "methods")
     at_least_one(lengths=sizes, repeats=repeats)
+    if "full" in names:
+        raise D2OError("full is the stock prefill: plain SDPA is timed in every run already")
     check_device(device)
     check_shape(model, shape, positions)
     check_out(out)
@@ -404,13 +407,13 @@ def bench_prefill(
     from d2o.bench.output import emit
     from d2o.bench.prefill import bench_prefill as run
 
-    net, tokenizer = bench_model(model, shape, positions or max(sizes), dtype, device, (method,), parsed)
-    rows = run(net, tokenizer, sizes, method, parsed, repeats, eager)
-    setting = dict(model=shape or model, dtype=dtype, method=method, budget=str(parsed), min_tokens=parsed.min_tokens,
+    net, tokenizer = bench_model(model, shape, positions or max(sizes), dtype, device, tuple(names), parsed)
+    rows = run(net, tokenizer, sizes, names, parsed, repeats, eager)
+    setting = dict(model=shape or model, dtype=dtype, methods=names, budget=str(parsed), min_tokens=parsed.min_tokens,
                    repeats=repeats)
-    emit(rows, f"Prefill: {shape or model}, {dtype}, {method} at {parsed.described} against SDPA", "prefill", out,
-         setting)
-    plots.prefill_plot(rows, method, out)
+    emit(rows, f"Prefill: {shape or model}, {dtype}, {', '.join(names)} at {parsed.described} against SDPA", "prefill",
+         out, setting)
+    plots.prefill_plot(rows, names, out)
 
 
 @bench_app.command("throughput")

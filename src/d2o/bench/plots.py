@@ -51,21 +51,22 @@ def bars(rows: list[dict], value: str, label: str, title: str, path: Path) -> Pa
     return _save(figure, path)
 
 
-def prefill_plot(rows: list[dict], method: str, out: Path) -> Path:
+def prefill_plot(rows: list[dict], methods: list[str], out: Path) -> Path:
     """Peak memory against length (lines), and the S x S attention matrix of one layer beside it."""
     lengths = [r["length"] for r in rows]
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     left.plot(lengths, [r["sdpa_peak_mib"] for r in rows], marker="o", label="prefill, plain SDPA")
-    left.plot(lengths, [r[f"{method}_peak_mib"] for r in rows], marker="o", label=f"prefill, {method}")
+    for method in methods:
+        left.plot(lengths, [r[f"{method}_peak_mib"] for r in rows], marker="o", label=f"prefill, {method}")
+        right.plot(lengths, [r[f"{method}_over_sdpa"] for r in rows], marker="o", label=method)
     left.plot(lengths, [r["stats_peak_mib"] for r in rows], marker="o", label="statistics of one layer")
     left.plot(lengths, [r["attention_matrix_mib"] for r in rows], linestyle="--", color="black",
               label="S x S attention of one layer (never built)")
     left.set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel="peak extra memory (MiB)",
              title="memory against length")
-    right.plot(lengths, [r[f"{method}_over_sdpa"] for r in rows], marker="o")
     right.axhline(1.0, color="black", linewidth=0.8)
-    right.set(xscale="log", xlabel="prompt tokens", ylabel=f"{method} prefill / SDPA prefill", title="time")
+    right.set(xscale="log", xlabel="prompt tokens", ylabel="method prefill / SDPA prefill", title="time")
     for axis in (left, right):
         axis.grid(alpha=0.3)
-    left.legend(fontsize=8)
+        axis.legend(fontsize=8)
     return _save(figure, out / "prefill.png")

@@ -58,36 +58,39 @@ def stats_peak_bytes(model, n_tokens: int) -> int:
     return measure_peak(lambda: attention_stats(query, key, per_head, valid, dim**-0.5, request), model.device)[1]
 
 
-def bench_prefill(model, tokenizer, lengths: list[int], method: str, budget, repeats: int = 1,
+def bench_prefill(model, tokenizer, lengths: list[int], methods: list[str], budget, repeats: int = 1,
                   eager: bool = False) -> list[dict]:
-    """Per length: median seconds of plain SDPA and of ``method`` prefill and their ratio, the peak
-    memory of each prefill, the statistics' own peak, and the S x S matrix of one layer."""
-    policy = get_method(method)
-    policy.check_budget(budget)
+    """Per length: median seconds of plain SDPA and of each method's prefill (its statistics, any
+    probe it runs, its compression) and their ratio, the peak memory of each prefill, the
+    statistics' own peak, and the S x S matrix of one layer."""
+    policies = {method: get_method(method) for method in methods}
+    for policy in policies.values():
+        policy.check_budget(budget)
     config = model.config.get_text_config()
     dtype_bytes = next(model.parameters()).element_size()  # what the attention matrix would be stored in
-    names = ["sdpa", method] + (["eager"] if eager else [])
+    names = ["sdpa", *methods] + (["eager"] if eager else [])
     for n_tokens in lengths:
         check_length(model, n_tokens)
     warm_up = torch.tensor([prompt_ids(tokenizer, config.vocab_size, WARM_UP_TOKENS)], device=model.device)
     for name in names:  # one-time allocations (thread pools, kernels' buffers) before any is measured
-        _prefill(model, warm_up, name, policy, budget)
+        _prefill(model, warm_up, name, policies.get(name), budget)
     rows = []
     for n_tokens in lengths:
         ids = torch.tensor([prompt_ids(tokenizer, config.vocab_size, n_tokens)], device=model.device)
         runs = {name: [] for name in names}
         for _ in range(repeats):
             for name in names:  # alternate, so drifts in machine load hit every variant alike
-                runs[name].append(_prefill(model, ids, name, policy, budget))
+                runs[name].append(_prefill(model, ids, name, policies.get(name), budget))
         median = {name: statistics.median(seconds for seconds, _ in values) for name, values in runs.items()}
         peaks = {name: max(peak for _, peak in values) for name, values in runs.items()}
-        row = {"length": n_tokens, "sdpa_s": round(median["sdpa"], 3), f"{method}_s": round(median[method], 3),
-               f"{method}_over_sdpa": round(median[method] / median["sdpa"], 3),
-               "sdpa_peak_mib": round(peaks["sdpa"] / 2**20, 1), f"{method}_peak_mib": round(peaks[method] / 2**20, 1),
-               "stats_peak_mib": round(stats_peak_bytes(model, n_tokens) / 2**20, 1),
-               "attention_matrix_mib": round(config.num_attention_heads * n_tokens**2 * dtype_bytes / 2**20, 1)}
-        if eager:
-            row["eager_s"] = round(median["eager"], 3)
-            row["eager_over_sdpa"] = round(median["eager"] / median["sdpa"], 3)
+        row = {"length": n_tokens, "sdpa_s": round(median["sdpa"], 3)}
+        for name in names[1:]:
+            row[f"{name}_s"] = round(median[name], 3)
+            row[f"{name}_over_sdpa"] = round(median[name] / median["sdpa"], 3)
+        row["sdpa_peak_mib"] = round(peaks["sdpa"] / 2**20, 1)
+        for name in methods:
+            row[f"{name}_peak_mib"] = round(peaks[name] / 2**20, 1)
+        row["stats_peak_mib"] = round(stats_peak_bytes(model, n_tokens) / 2**20, 1)
+        row["attention_matrix_mib"] = round(config.num_attention_heads * n_tokens**2 * dtype_bytes / 2**20, 1)
         rows.append(row)
     return rows
