@@ -139,13 +139,16 @@ def check_port(host: str, port: int) -> None:
 
 
 @app.command()
-def methods():
-    """List the compression methods."""
+def methods(every: bool = typer.Option(False, "--all", help="Also the ablations (a part removed or swapped).")):
+    """List the compression methods (with --all, their ablations too)."""
     from d2o.methods import REGISTRY
 
-    width = max(len(name) for name in REGISTRY)
-    for name, entry in REGISTRY.items():
+    shown = {name: entry for name, entry in REGISTRY.items() if every or not entry.ablation}
+    width = max(len(name) for name in shown)
+    for name, entry in shown.items():
         print(f"{name:<{width}}  {entry.summary}")
+    if not every:
+        print(f"\n{len(REGISTRY) - len(shown)} ablations more: d2o methods --all")
 
 
 @app.command()
