@@ -421,3 +421,22 @@ def test_out_of_range_method_options_name_the_parameter(name, options, budget, p
         with torch.inference_mode():
             model(input_ids=random_ids(150), cache=cache)
             model(input_ids=random_ids(1), cache=cache)  # d2o-official allocates at its first decode step
+
+
+def test_the_catalogue_lists_the_methods_to_choose_and_the_ablations_on_request():
+    from typer.testing import CliRunner
+
+    from d2o.cli import app
+
+    def listed(*args):
+        result = CliRunner().invoke(app, ["methods", *args])
+        assert result.exit_code == 0, result.output
+        return [line.split()[0] for line in result.output.splitlines() if line and not line.startswith(" ")]
+
+    chosen = listed()
+    ablations = [name for name, entry in REGISTRY.items() if entry.ablation]
+    assert chosen[:-1] == [name for name in REGISTRY if name not in ablations]  # then "N ablations more: ..."
+    assert chosen[-1] == str(len(ablations))
+    assert {"full", "kvzip", "expected-attention", "d2o", "d2o-official", "d2o-plus", "d2o-novelty"} <= set(chosen)
+    assert {"d2o-nomerge", "d2o-plus-nowindow", "d2o-novelty-uniform"} <= set(ablations)
+    assert listed("--all") == list(REGISTRY)
