@@ -329,7 +329,8 @@ def test_decode_steps_take_surprisal_from_the_logits_the_model_computed(monkeypa
     reference = torch.logsumexp(logits[:, :-1], -1) - logits[:, :-1].gather(-1, text[:, 1:, None])[..., 0]
     cache = make_cache(model, "sirllm", 1.0)
     seen = []
-    monkeypatch.setattr(type(cache.policy), "observe_tokens", lambda self, cache, surprisal, input_ids: seen.append(surprisal))
+    monkeypatch.setattr(type(cache.policy), "observe_tokens",
+                        lambda self, cache, surprisal, input_ids: seen.append(surprisal))
     calls = []
     counter = model.lm_head.register_forward_hook(lambda *_: calls.append(1))
     forward(model, ids, cache)

@@ -157,7 +157,7 @@ def test_expected_attention_scores_follow_its_formula(arch):
     dim = model.config.head_dim
     future = torch.arange(120, 120 + 512)[None]
     cos, sin = (table[0].mean(0) for table in model.model.rotary_emb(torch.zeros(1, dtype=torch.float64), future))
-    half, eye, zero = dim // 2, torch.eye(dim // 2, dtype=torch.float64), torch.zeros(dim // 2, dim // 2)
+    eye, zero = torch.eye(dim // 2, dtype=torch.float64), torch.zeros(dim // 2, dim // 2)
     turn = torch.cat([torch.cat([zero, -eye], 1), torch.cat([eye, zero], 1)]).double()  # x -> (-x2, x1)
     rotation = torch.diag(cos) + torch.diag(sin) @ turn
     for layer, q in zip(cache.layers, queries):

@@ -313,19 +313,13 @@ class CompressedCache(Cache):
         snapshots = [layer.snapshot() for layer in self.layers]
         try:
             for probe in passes:
-                width = max(len(row) for row in probe.ids)
-                if not width:
+                if not any(probe.ids):
                     continue
-                ids = torch.zeros((len(probe.ids), width), dtype=torch.long)
-                real = torch.zeros((len(probe.ids), width), dtype=torch.bool)
-                for row, tokens in enumerate(probe.ids):
-                    ids[row, width - len(tokens):] = torch.as_tensor(tokens, dtype=torch.long)
-                    real[row, width - len(tokens):] = True
-                ids, real = ids.to(device), real.to(device)
-                positions = self.layers[0].real_seen[:, None] + real.long().cumsum(-1) - 1
+                ids, real = (tensor.to(device) for tensor in left_pad(probe.ids))
+                positions = self.layers[0].real_seen[:, None] + real.cumsum(-1) - 1
                 mask = None
                 if not bool(real.all()):
-                    mask = torch.cat([real.new_ones((len(probe.ids), self.layers[0].seen)), real], dim=1).long()
+                    mask = torch.cat([real.new_ones((len(probe.ids), self.layers[0].seen)), real], dim=1)
                 self.probing = probe
                 decoder(input_ids=ids, attention_mask=mask, position_ids=positions.clamp_min(0), cache=self,
                         use_cache=True)
@@ -514,3 +508,15 @@ def _saved_tokenizer(path: str):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
+
+
+def left_pad(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids (B, S) padded on the left, and the padding mask (1 = a real token). The pad id is
+    0: padding is masked everywhere, so its value never matters."""
+    width = max(len(row) for row in rows)
+    ids = torch.zeros((len(rows), width), dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row):] = torch.as_tensor(row, dtype=torch.long)
+        mask[i, width - len(row):] = 1
+    return ids, mask

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from d2o.engine.cache import left_pad
 from d2o.errors import D2OError
 from d2o.options import whole
 
@@ -238,18 +239,6 @@ class Batch:
         while self.sequences:
             self.step()
         return order
-
-
-def left_pad(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids (B, S) padded on the left, and the padding mask (1 = a real token). The pad id is
-    0: padding is masked everywhere, so its value never matters."""
-    width = max(len(row) for row in rows)
-    ids = torch.zeros((len(rows), width), dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        ids[i, width - len(row):] = torch.as_tensor(row, dtype=torch.long)
-        mask[i, width - len(row):] = 1
-    return ids, mask
 
 
 def seconds_since(start: float, device: torch.device) -> float:
