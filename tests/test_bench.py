@@ -149,6 +149,9 @@ def test_the_gpu_script_runs_on_the_cpu(tmp_path):
     (["decode", "--shape", "tiny", "--methods", "full,nope"], "unknown method 'nope'"),
     (["decode", "--shape", "huge"], "unknown shape 'huge'; choose one of: smollm2, llama-3-8b, tiny"),
     (["prefill", "--shape", "tiny", "--budget", "3t"], "budget 3t leaves 3 tokens per layer; d2o needs at least 5"),
+    (["prefill", "--shape", "tiny", "--methods", "h2o,full"],
+     "full is the stock prefill: plain SDPA is timed in every run already"),
+    (["prefill", "--shape", "tiny", "--methods", "h2o,d2o,h2o"], "h2o given twice in methods"),
 ])
 def test_bad_bench_input_is_one_line_and_exit_code_2(args, message, tmp_path):
     done = subprocess.run([sys.executable, "-c", "from d2o.cli import main; main()", "bench", *args,
@@ -164,6 +167,13 @@ def test_a_cpu_run_is_measured_on_the_cpu_even_where_a_gpu_is_present(monkeypatc
     result, peak = measure_peak(lambda: torch.ones(64, 2**20).sum(), torch.device("cpu"))  # 256 MiB
     assert result == 64 * 2**20
     assert peak > 128 * 2**20
+
+
+def test_prefill_times_each_method_against_the_same_sdpa_runs(tiny):
+    row, = bench_prefill(tiny, None, [96], ["h2o", "d2o"], Budget.parse("0.2"), repeats=2)
+    assert list(row) == ["length", "sdpa_s", "h2o_s", "h2o_over_sdpa", "d2o_s", "d2o_over_sdpa", "sdpa_peak_mib",
+                         "h2o_peak_mib", "d2o_peak_mib", "stats_peak_mib", "attention_matrix_mib"]
+    assert row["length"] == 96 and all(row[f"{method}_over_sdpa"] > 0 for method in ("h2o", "d2o"))
 
 
 def test_the_attention_matrix_is_sized_in_the_models_dtype():
