@@ -8,7 +8,7 @@ OUT=${OUT:-docs/results}
 M=full,local,streamingllm,h2o,tova,snapkv,pyramidkv,cam,roco,sirllm,d2o,d2o-nomerge,d2o-official,d2o-plus
 M=$M,d2o-plus-nomerge,d2o-plus-nearmerge,d2o-plus-blend,d2o-plus-blend-nomass,d2o-plus-blend-nearmerge,d2o-plus-papermerge
 M=$M,d2o-plus-countmerge,d2o-plus-nowindow,d2o-plus-nosurprisal,d2o-plus-uniform,d2o-plus-sumvotes,d2o-plus-noreach
-M=$M,d2o-plus-recent
+M=$M,d2o-plus-recent,kvzip,expected-attention,d2o-novelty,d2o-novelty-uniform,d2o-novelty-nomerge
 B=0.1,0.2,0.5
 NIAH="--task-option lengths=500,1000,2000 --task-option depths=0,0.25,0.5,0.75,1"
 # d2o-official compresses at the first decode step, which under --protocol context is the question's
@@ -22,9 +22,10 @@ for protocol in prompt context; do
   $D2O eval --task niah $NIAH --limit 1 --seed 0 --methods $methods --budgets $B --protocol $protocol \
     --out "$OUT/niah$suffix"
 done
-# Perplexity for the main methods and the d2o-plus merge ablations (the others are judged on the retrieval tasks).
+# Perplexity for the main methods, the d2o-plus merge ablations and d2o-novelty's (the others are judged on the
+# retrieval tasks).
 P=full,local,streamingllm,h2o,tova,snapkv,pyramidkv,cam,roco,sirllm,d2o,d2o-nomerge,d2o-official,d2o-plus
 P=$P,d2o-plus-nomerge,d2o-plus-nearmerge,d2o-plus-blend,d2o-plus-blend-nomass,d2o-plus-blend-nearmerge,d2o-plus-countmerge
-P=$P,d2o-plus-recent
+P=$P,d2o-plus-recent,kvzip,expected-attention,d2o-novelty,d2o-novelty-uniform,d2o-novelty-nomerge
 $D2O eval --task perplexity --task-option length=8192 --task-option chunk=64 --seed 0 --methods $P --budgets $B \
   --out "$OUT/perplexity"
