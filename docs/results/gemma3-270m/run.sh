@@ -12,7 +12,7 @@ set -euo pipefail
 D2O=${D2O:-.venv/bin/d2o}
 OUT=${OUT:-docs/results/gemma3-270m}
 M=full,local,streamingllm,h2o,tova,snapkv,pyramidkv,cam,roco,sirllm,d2o,d2o-plus,d2o-plus-blend
-M=$M,d2o-plus-blend-nearmerge,d2o-plus-nomerge
+M=$M,d2o-plus-blend-nearmerge,d2o-plus-nomerge,kvzip,expected-attention,d2o-novelty
 G="--model gemma3-270m --seed 0 --methods $M --budgets 0.05,0.1,0.2"
 NIAH="--task-option lengths=2048,4096,8192 --task-option depths=0,0.25,0.5,0.75,1 --limit 1"
 for length in 2048 4096 8192; do
