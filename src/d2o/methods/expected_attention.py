@@ -77,8 +77,10 @@ class ExpectedAttention(Method):
         weight = (index >= self.n_sinks).to(work)  # padding (-1) and the sinks count for nothing
         state = layer.state
         count = weight.sum(-1)
-        total = torch.einsum("bhqd,bq->bhd", queries, weight)
-        squares = torch.einsum("bhqd,bhqe,bq->bhde", queries, queries, weight)
+        weighted = queries * weight[:, None, :, None]
+        total = weighted.sum(2)
+        # Two operands at a time: a three-way einsum may build the (B, H, q, D, D) outer products first.
+        squares = weighted.transpose(-1, -2) @ queries  # (B, H, D, D)
         if state.count is None:
             state.count, state.total, state.squares = count, total, squares
         else:
@@ -103,7 +105,7 @@ class ExpectedAttention(Method):
             covariance = state.squares / count[..., None] - mean_outer(state.total / count)
             rotation = torch.diag_embed(cos) + torch.diag_embed(sin) @ half_turn(dim, cos)  # (B, D, D)
             covariance = rotation[:, None] @ covariance @ rotation[:, None].transpose(-1, -2)
-            logits = logits + 0.5 * torch.einsum("bhnd,bhde,bhne->bhn", keys, covariance, keys)
+            logits = logits + 0.5 * ((keys @ covariance) * keys).sum(-1)
         index = layer.token_index
         sinks = (index >= 0) & (index < self.n_sinks)
         scored = (index >= 0) & ~sinks  # (B, G, N)
