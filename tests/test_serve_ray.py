@@ -52,11 +52,17 @@ def test_both_replicas_answer_through_the_proxy_as_generate_would(proxy, real_mo
     def ask(prompt):
         return api.completions.create(model="smollm2", prompt=prompt, max_tokens=4, temperature=0)
 
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        replies = list(pool.map(ask, prompts))
     expected = generate(model, tokenizer, prompts[:4], "d2o", 0.2, max_new_tokens=4).texts * 3
-    assert [r.choices[0].text for r in replies] == expected
-    assert len({r.system_fingerprint for r in replies}) == 2  # two engines served them
+    engines = set()
+    for _ in range(3):  # Ray's router picks a replica per request by queue length: on a loaded host
+        # one round of 12 may all go to one of them, so a round is repeated until both have answered
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            replies = list(pool.map(ask, prompts))
+        assert [r.choices[0].text for r in replies] == expected
+        engines |= {r.system_fingerprint for r in replies}
+        if len(engines) == 2:
+            break
+    assert len(engines) == 2  # two engines served them
 
     events = list(api.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Hi!"}],
                                               max_tokens=4, temperature=0, stream=True))
