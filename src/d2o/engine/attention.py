@@ -56,7 +56,7 @@ def _make_attention(backend: str):
             positions = layer.token_index
             log_weight = layer.log_weight
             if window is not None:
-                query_positions = positions[:, :1].gather(2, layer.fresh_slots(n_query)[:, :1])  # (B, 1, q)
+                query_positions = layer.fresh_index(n_query)[:, None]  # (B, 1, q)
         else:  # no d2o cache (plain DynamicCache, or none): slots are the padded token stream
             kv_valid = (query.new_ones((batch, n_keys), dtype=torch.bool) if attention_mask is None
                         else attention_mask[:, -n_keys:].bool())[:, None]
@@ -123,9 +123,7 @@ def _with_queries(stats: AttentionStats, request: StatsRequest, layer, query, sc
     """``stats`` with the pass's queries, their token indices and the logits' scale, if asked for."""
     if not request.queries:
         return stats
-    first = layer.token_index[:, 0]
-    index = first.gather(1, layer.fresh_slots(query.shape[2])[:, 0])  # (B, q): -1 for padding
-    return replace(stats, queries=query, query_index=index, scaling=scaling)
+    return replace(stats, queries=query, query_index=layer.fresh_index(query.shape[2]), scaling=scaling)
 
 
 def _observe(layer, request: StatsRequest, stats: AttentionStats) -> None:

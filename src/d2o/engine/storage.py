@@ -230,9 +230,13 @@ class CompressedLayer(CacheLayerMixin):
         batch, heads, n_slots = self.token_index.shape
         return torch.arange(n_slots - q, n_slots, device=self.token_index.device).expand(batch, heads, q)
 
+    def fresh_index(self, q: int) -> torch.Tensor:
+        """(B, q): the token index of each token of the last pass (-1: padding)."""
+        return self.token_index[:, 0].gather(1, self.fresh_slots(q)[:, 0])
+
     def fresh_real(self, q: int) -> torch.Tensor:
         """(B, q) bool: which tokens of the last pass are real (not padding)."""
-        return self.token_index[:, 0].gather(1, self.fresh_slots(q)[:, 0]) >= 0
+        return self.fresh_index(q) >= 0
 
     def get_seq_length(self) -> int:
         # Tokens seen, not kept: the model derives positions from it and `generate` decides from it
