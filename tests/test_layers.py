@@ -13,7 +13,7 @@ LAYERS = [
     ("d2o.methods",),
     ("d2o.runtime", "d2o.models"),
     ("d2o.eval", "d2o.bench", "d2o.serve", "d2o.demo"),
-    ("d2o.cli",),
+    ("d2o.cli", "d2o.__main__"),
 ]
 
 

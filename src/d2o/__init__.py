@@ -17,6 +17,8 @@ _LAZY = {
     "METHODS": "d2o.methods",
     "get_method": "d2o.methods",
     "generate": "d2o.runtime.generation",
+    "compress": "d2o.runtime.context",
+    "load_context": "d2o.runtime.context",
     "load_model": "d2o.models",
 }
 

@@ -32,9 +32,18 @@ FLOOR_HELP = "Under a ratio budget, no layer is brought below min(tokens seen, N
 def generate(
     prompt: Optional[str] = typer.Option(None, "--prompt", help="The prompt text."),
     prompt_file: Optional[Path] = typer.Option(None, "--prompt-file", help="Read the prompt from a file."),
+    context_file: Optional[Path] = typer.Option(
+        None, "--context-file", help="Compress this file's text once, then answer each --question from it."),
+    question: list[str] = typer.Option([], "--question", help="A question asked of the context (repeatable)."),
+    questions_file: Optional[Path] = typer.Option(
+        None, "--questions-file", help="Questions asked of the context, one per line."),
+    save_context: Optional[Path] = typer.Option(None, "--save-context", help="Save the compressed context here."),
+    load_context: Optional[Path] = typer.Option(
+        None, "--load-context", help="Answer from a saved context (its method and budget) instead of compressing."),
     model: str = typer.Option("smollm2", help=MODEL_HELP),
-    method: str = typer.Option("d2o", help="Compression method (see `d2o methods`)."),
-    budget: str = typer.Option("0.2", help=BUDGET_HELP),
+    method: Optional[str] = typer.Option(
+        None, help="Compression method (see `d2o methods`) \\[default: d2o; d2o-novelty for a context]."),
+    budget: Optional[str] = typer.Option(None, help=BUDGET_HELP + " \\[default: 0.2]"),
     min_tokens: Optional[int] = typer.Option(None, help=FLOOR_HELP),
     max_new_tokens: int = typer.Option(64, help="Tokens to generate."),
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template."),
@@ -49,13 +58,22 @@ def generate(
     layers: bool = typer.Option(False, "--layers", help="Print the per-layer cache table."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ):
-    """Generate under a KV budget and report what the cache held."""
+    """Generate under a KV budget and report what the cache held; or compress a context once and
+    answer several questions from it (--context-file, --question)."""
     from d2o.data import read_text_file
 
-    if (prompt is None) == (prompt_file is None):
-        raise D2OError("give exactly one of --prompt and --prompt-file")
-    text = prompt if prompt is not None else read_text_file(prompt_file)
-    parsed_budget, options = parse_budgets([budget], min_tokens)[0], parse_options(option)
+    context_mode = context_file is not None or load_context is not None
+    if context_mode:
+        text = check_context_input(prompt, prompt_file, context_file, question, questions_file, save_context,
+                                   load_context, method, budget, min_tokens, option)
+    else:
+        if question or questions_file is not None or save_context is not None:
+            raise D2OError("--question, --questions-file and --save-context go with --context-file "
+                           "(or --load-context for the questions)")
+        if (prompt is None) == (prompt_file is None):
+            raise D2OError("give exactly one of --prompt and --prompt-file (or a --context-file and --question)")
+        text = prompt if prompt is not None else read_text_file(prompt_file)
+    parsed_budget, options = parse_budgets([budget or "0.2"], min_tokens)[0], parse_options(option)
     if max_new_tokens < 1:
         raise D2OError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     given = [name for name, value in (("--temperature", temperature), ("--top-p", top_p), ("--top-k", top_k),
@@ -65,14 +83,20 @@ def generate(
     if sample and temperature == 0:
         raise D2OError("--sample with --temperature 0 is greedy decoding: drop --sample, or give a temperature > 0")
 
+    sampling = dict(temperature=(1.0 if temperature is None else temperature) if sample else 0.0,
+                    top_p=1.0 if top_p is None else top_p, top_k=top_k or 0, seed=seed)
+    if context_mode:
+        questions = list(question) + (read_questions(questions_file) if questions_file is not None else [])
+        answer_context(model, dtype, attention, text, questions, method, parsed_budget, options, chat, save_context,
+                       load_context, max_new_tokens, sampling, layers, as_json)
+        return
+
     from d2o.runtime.generation import generate as run
     from d2o.runtime.generation import resolve
 
-    chosen, parsed_budget = resolve(method, parsed_budget, **options)  # before the model loads
+    chosen, parsed_budget = resolve(method or "d2o", parsed_budget, **options)  # before the model loads
     net, tokenizer = load(model, dtype=dtype, attention=attention)
-    result = run(net, tokenizer, text, chosen, parsed_budget, max_new_tokens=max_new_tokens, chat=chat,
-                 temperature=(1.0 if temperature is None else temperature) if sample else 0.0,
-                 top_p=1.0 if top_p is None else top_p, top_k=top_k or 0, seed=seed)
+    result = run(net, tokenizer, text, chosen, parsed_budget, max_new_tokens=max_new_tokens, chat=chat, **sampling)
     report = result.report
     if as_json:
         summary = report.as_dict()
@@ -83,6 +107,76 @@ def generate(
         return
     print(result.texts[0])
     print(f"\n[{report.summary()}, {result.seconds:.1f} s]", file=sys.stderr)
+    if layers:
+        print(report.table(), file=sys.stderr)
+
+
+def check_context_input(prompt, prompt_file, context_file, question, questions_file, save_context, load_context,
+                        method, budget, min_tokens, option) -> str | None:
+    """The context's text (None when a saved one is loaded), once the flags are known to agree."""
+    from d2o.data import read_text_file
+
+    if prompt is not None or prompt_file is not None:
+        raise D2OError("give a --prompt (answered as it is) or a --context-file with --question, not both")
+    if (context_file is None) == (load_context is None):
+        raise D2OError("give one of --context-file (compress it) and --load-context (a saved one), not both")
+    if load_context is not None:
+        fixed = [flag for flag, value in (("--method", method), ("--budget", budget), ("--min-tokens", min_tokens),
+                                          ("--option", option or None), ("--save-context", save_context))
+                 if value is not None]
+        if fixed:
+            raise D2OError(f"{', '.join(fixed)} cannot change a saved context: it was compressed with its own "
+                           f"method and budget")
+        if not load_context.is_file():
+            raise D2OError(f"no context file {str(load_context)!r}")
+    if not question and questions_file is None and save_context is None:
+        raise D2OError("a context needs a --question (or --questions-file), or --save-context to keep it")
+    if save_context is not None and save_context.is_dir():
+        raise D2OError(f"--save-context {str(save_context)!r} is a folder: give a file name")
+    return None if context_file is None else read_text_file(context_file)
+
+
+def read_questions(path: Path) -> list[str]:
+    """The non-blank lines of a questions file."""
+    from d2o.data import read_text_file
+
+    questions = [line.strip() for line in read_text_file(path).splitlines() if line.strip()]
+    if not questions:
+        raise D2OError(f"{path} holds no question (one per line)")
+    return questions
+
+
+def answer_context(model, dtype, attention, text, questions, method, budget, options, chat, save_context,
+                   load_context, max_new_tokens, sampling, layers, as_json) -> None:
+    """Compress (or load) the context, save it if asked, answer the questions as one batch."""
+    from d2o.runtime.context import DEFAULT_METHOD, check_asks_later, compress
+    from d2o.runtime.context import load_context as load_saved
+    from d2o.runtime.generation import resolve
+
+    if load_context is None:
+        chosen, budget = resolve(method or DEFAULT_METHOD, budget, **options)  # before the model loads
+        check_asks_later(chosen)
+    net, tokenizer = load(model, dtype=dtype, attention=attention)
+    if load_context is None:
+        context = compress(net, tokenizer, text, method or DEFAULT_METHOD, budget, chat=chat, **options)
+    else:
+        context = load_saved(load_context, net, tokenizer)
+    if save_context is not None:
+        context.save(save_context)
+    result = context.ask(questions, max_new_tokens, **sampling) if questions else None
+    report = context.report
+    if as_json:
+        summary = report.as_dict()
+        del summary["layers"]
+        print(json.dumps({"context_tokens": len(context.ids), "prefill_seconds": round(context.prefill_seconds, 3),
+                          "answers": [{"question": q, "text": t} for q, t in zip(questions, result.texts)]
+                          if result else [], **summary,
+                          "layers": [layer.as_dict() for layer in report.layers] if layers else None}))
+        return
+    for q, t in zip(questions, result.texts if result else []):
+        print(f"Q: {q.strip()}\nA: {t.strip()}\n" if len(questions) > 1 else t)
+    saved = f", saved to {save_context}" if save_context is not None else ""
+    print(f"\n[context of {len(context.ids)} tokens: {report.summary()}{saved}]", file=sys.stderr)
     if layers:
         print(report.table(), file=sys.stderr)
 

@@ -8,6 +8,7 @@ answers into slot indices and the layer gathers the kept slots into smaller tens
 
 from __future__ import annotations
 
+import copy
 import inspect
 import weakref
 from contextlib import contextmanager
@@ -155,6 +156,16 @@ class CompressedCache(Cache):
                 own = state_of(mine)
                 theirs.state = None if own is None else own.map_rows(torch.clone)
         new.compress()
+        return new
+
+    def copy(self) -> CompressedCache:
+        """A cache in this one's state that goes on alone (another question after one compressed
+        context). Key/value tensors and token indices are shared, and from now on neither cache
+        writes into them in place (each writes new tensors, as after a fork); everything a policy
+        accumulates into (slot state, log weights, row state, counts) is copied."""
+        new = copy.copy(self)
+        new._prompt = list(self._prompt)
+        new.layers = [layer.copy_for(new) for layer in self.layers]
         return new
 
     # -- rows ---------------------------------------------------------------------------------

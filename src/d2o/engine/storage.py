@@ -16,6 +16,7 @@ appended, and an eviction of several tokens gathers the kept slots into new, sma
 
 from __future__ import annotations
 
+import copy
 import math
 import threading
 from dataclasses import dataclass, fields, replace
@@ -316,6 +317,22 @@ class CompressedLayer(CacheLayerMixin):
         self.seen = max(layer.seen for layer in layers)
         self.owns_storage = True
         self.holes = None
+
+    def copy_for(self, cache: CompressedCache) -> CompressedLayer:
+        """This layer as a layer of ``cache`` (``CompressedCache.copy``): storage shared, written in
+        place by neither from now on; the state that is accumulated into, copied."""
+        new = copy.copy(self)
+        new.cache = cache
+        self.owns_storage = new.owns_storage = False
+        self.holes = new.holes = None
+        if not self.is_initialized:
+            return new
+        new.slot_state = {name: state.clone() for name, state in self.slot_state.items()}
+        new.log_weight = None if self.log_weight is None else self.log_weight.clone()
+        new.merged = self.merged.clone()
+        if self.state is not None:
+            new.state = self.state.map_rows(torch.clone)
+        return new
 
     # -- probing: passes observed, then taken out ------------------------------------------------
     def snapshot(self) -> tuple:

@@ -108,16 +108,33 @@ def run_eval(config: EvalConfig, progress: bool = True) -> list[dict]:
     runner = Runner(model, tokenizer, methods, config.shared_prefill)
     runs = runs_of(methods, budgets)
     done = store.keys()
-    for sample in tqdm(samples, desc=task.name, disable=not progress, unit="sample"):
-        todo = [run for run in runs if (sample.id, run.method, str(run.budget)) not in done]
-        if todo:
-            for outcome in task.run(runner, sample, *encoded[sample.id], todo):
+    bar = tqdm(total=len(samples), desc=task.name, disable=not progress, unit="sample")
+    for group in shared_contexts(samples, encoded, config.protocol):
+        todos = [[run for run in runs if (sample.id, run.method, str(run.budget)) not in done] for sample in group]
+        if any(todos):
+            ids = encoded[group[0].id][0]
+            for sample, outcome in task.run(runner, group, ids, [encoded[s.id][1] for s in group], todos):
                 store.append(results.result_line(task, sample, outcome))
+        bar.update(len(group))
+    bar.close()
     lines = results.of_this_run(store.read(), task, {sample.id for sample in samples}, runs)
     rows = results.summarize(lines, config)
     results.write_summaries(out, rows, task, config)
     plots.write_plots(out, lines, rows, task)
     return rows
+
+
+def shared_contexts(samples: list, encoded: dict, protocol: str) -> list[list]:
+    """The samples in groups that compress the same tokens: under ``--protocol context``, the
+    consecutive samples of one context (each with its own question); else one sample each."""
+    groups: list[list] = []
+    for sample in samples:
+        if (protocol == "context" and groups and encoded[sample.id][1]
+                and encoded[groups[-1][0].id][0] == encoded[sample.id][0]):
+            groups[-1].append(sample)
+        else:
+            groups.append([sample])
+    return groups
 
 
 def runs_of(methods: dict, budgets: list[Budget]) -> list:

@@ -26,6 +26,13 @@ class Generation:
     seconds: float  # prefill and decoding, wall clock
     prefill_seconds: float
 
+    @property
+    def text(self) -> str:
+        """The answer, when there was one prompt (or question)."""
+        if len(self.texts) != 1:
+            raise D2OError(f"{len(self.texts)} answers: read .texts")
+        return self.texts[0]
+
 
 def resolve(method: str | Method, budget: Budget | str | float, min_tokens: int | None = None,
             **options) -> tuple[Method, Budget]:

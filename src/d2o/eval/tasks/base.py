@@ -71,10 +71,12 @@ class Task:
         if protocol == "context" and not self.asks:
             raise D2OError(f"{self.name} has no question to keep out of compression: --protocol context does not apply")
 
-    def run(self, runner, sample: Sample, ids: list[int], question: list[int], todo: list):
-        """Every run of ``todo`` on ``sample``, yielding each outcome as it is done (so a sweep
-        keeps it at once): answered greedily, one prefill shared by the runs."""
-        return runner.answer(self, sample, ids, question, todo)
+    def run(self, runner, samples: list[Sample], ids: list[int], questions: list[list[int]], todos: list[list]):
+        """Every run of each sample's ``todos``, yielding (sample, outcome) as each is done (so a
+        sweep keeps it at once): answered greedily, one prefill shared by the runs. ``samples``
+        share ``ids``, the tokens compressed: one sample, or under ``--protocol context`` those
+        whose questions follow one context (each sample's own in ``questions``)."""
+        return runner.answer(self, samples, ids, questions, todos)
 
     def settings(self) -> dict:
         """The options that define the samples (recorded, and checked when a run resumes)."""

@@ -55,15 +55,16 @@ class Perplexity(Task):
     def cache_budget(self, budget: Budget) -> Budget:
         return Budget(tokens=max(1, round(budget.ratio * self.length))) if budget.ratio is not None else budget
 
-    def run(self, runner, sample, ids, question, todo):
+    def run(self, runner, samples, ids, questions, todos):
         from d2o.eval.runner import Outcome  # here, not at import: checking options must not wait for torch
 
+        sample, todo = samples[0], todos[0]  # one text, never a shared context (no question)
         for run in todo:
             start = time.perf_counter()
             cache = runner.cache(run.method, self.cache_budget(run.budget))
             perplexity, curve = self.evaluate(runner.model, ids, cache)
-            yield Outcome(run, None, {"perplexity": perplexity}, cache.report(), time.perf_counter() - start, None,
-                          extra={"curve": curve})
+            yield sample, Outcome(run, None, {"perplexity": perplexity}, cache.report(), time.perf_counter() - start,
+                                  None, extra={"curve": curve})
 
     def evaluate(self, model, ids: list[int], cache) -> tuple[float, list[float]]:
         """Perplexity of every token after the first through ``cache``, and per ``window``."""

@@ -1,0 +1,5 @@
+"""``python -m d2o``: the d2o command."""
+
+from d2o.cli import main
+
+main()

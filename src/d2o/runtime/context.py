@@ -1,0 +1,357 @@
+"""Compress once, answer many: a compressed context that any number of questions are asked of.
+
+``compress`` prefills a context (a document, a conversation's earlier turns) and compresses it
+to a budget without any question in sight; ``CompressedContext.ask`` feeds each question to its
+own copy of that state (key/value tensors shared, never written in place) and decodes, so a
+question never sees another's tokens and asking never changes the context. This is the
+evaluation's ``--protocol context``, and the server's compressed prefixes, paid for once.
+
+A context is saved to one safetensors file: the layers' tensors, and beside them (in its
+metadata) the method, its options, the budget, the token ids and what identifies the model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+
+import torch
+
+from d2o.budget import Budget
+from d2o.engine.cache import CompressedCache
+from d2o.engine.report import CacheReport
+from d2o.errors import D2OError
+from d2o.methods.base import Method
+from d2o.runtime.decoding import Batch, Sampling, Sequence, seconds_since
+from d2o.runtime.generation import Generation, resolve
+from d2o.runtime.prompts import check_length, encode, stop_token_ids
+
+FORMAT = 1  # the layout of a saved context; a file of another layout is refused
+DEFAULT_METHOD = "d2o-novelty"  # the method kept for questions that come after compression
+
+
+def check_asks_later(method: Method) -> None:
+    """Refuse a method whose first compression comes after the first decode step: there it would
+    be the question's pass, and the compression would see the question."""
+    if method.compress_after_forward > 1:
+        raise D2OError(f"{method.name} first compresses after the first decode step, which after a compressed "
+                       f"context is the question's pass: it would see the question; give it the whole prompt "
+                       f"(d2o generate, --protocol prompt) instead")
+
+
+@dataclass
+class CompressedContext:
+    """A context compressed to ``budget`` by ``method``, ready for questions.
+
+    ``ids``: the context's token ids; ``cache``: its compressed cache (one row); ``logits``,
+    ``positions``: the next-token logits after it and the position its next token takes.
+    ``method_name`` and ``options`` rebuild the method when the context is loaded."""
+
+    model: object
+    tokenizer: object
+    method: Method
+    method_name: str
+    options: dict
+    ids: list[int]
+    chat: bool
+    cache: CompressedCache
+    logits: torch.Tensor
+    positions: torch.Tensor
+    prefill_seconds: float = 0.0
+    stop_ids: frozenset[int] = field(default=frozenset())
+    conversation: list[dict] | None = None  # the context's messages, when compressed as a conversation
+
+    @property
+    def budget(self) -> Budget:
+        return self.cache.budget
+
+    @property
+    def report(self) -> CacheReport:
+        """What the compressed context holds, layer by layer."""
+        return self.cache.report()
+
+    @property
+    def nbytes(self) -> int:
+        return self.cache.nbytes
+
+    def question_ids(self, question: str | list[dict], chat: bool | None = None) -> list[int]:
+        """The token ids ``question`` adds after the context: as written, or (``chat``) a user turn
+        (or turns) after the context's conversation, ready for the answer."""
+        chat = self.chat if chat is None else chat
+        if not chat:
+            if not isinstance(question, str):
+                raise D2OError("a question as messages needs the chat template (chat=True)")
+            if not question.strip():
+                raise D2OError("the question is empty")
+            return self.tokenizer(question, add_special_tokens=False).input_ids
+        if not self.chat:
+            raise D2OError("a chat question needs a context compressed as a conversation (compress(..., chat=True))")
+        turns = [{"role": "user", "content": question}] if isinstance(question, str) else list(question)
+        return continuation_ids(self.tokenizer, self.conversation, turns)
+
+    def ask(self, questions: str | list[dict] | list[str | list[dict]], max_new_tokens: int = 32, *,
+            chat: bool | None = None, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+            seed: int | None = None, stop: tuple[str, ...] = ()) -> Generation:
+        """Answer ``questions`` (one, or a list answered as one batch), each from the compressed
+        context alone. Greedy by default (see ``generate`` for the sampling options); ``chat``: a
+        question is a user turn of the model's chat template (by default, as the context was
+        compressed). ``Generation.text`` is the answer to a single question."""
+        one = isinstance(questions, str) or (isinstance(questions, list) and bool(questions)
+                                             and isinstance(questions[0], dict))
+        asked = [questions] if one else list(questions)
+        if not asked:
+            raise D2OError("no question to ask")
+        ids = [self.question_ids(question, chat) for question in asked]
+        check_length(self.model, len(self.ids) + max(map(len, ids)), max_new_tokens)
+        sampling = Sampling(temperature, top_p, seed, top_k)
+        sequences = [Sequence(self.tokenizer, max_new_tokens, sampling, self.stop_ids, stop) for _ in ids]
+        start = time.perf_counter()
+        batch = self.answer_batch(ids, sequences)
+        batch.run()
+        seconds = time.perf_counter() - start
+        return Generation(
+            texts=[s.text for s in sequences],
+            new_tokens=[s.tokens for s in sequences],
+            prompt_tokens=[s.prompt_tokens for s in sequences],
+            finish_reasons=[s.finish_reason for s in sequences],
+            report=CacheReport.concat([s.report for s in sequences]),
+            seconds=seconds,
+            prefill_seconds=0.0,
+        )
+
+    def answer_batch(self, questions: list[list[int]], sequences: list[Sequence]) -> Batch:
+        """A batch ready to decode: each question's token ids fed to its own copy of the context
+        (the sequences' rows, in order), the rows then joined."""
+        batches = []
+        for question, sequence in zip(questions, sequences):
+            if not question:
+                raise D2OError("the question is empty")
+            sequence.prompt_tokens = len(self.ids)
+            batch = Batch(self.model, self.cache.copy(), [sequence], self.logits, self.positions)
+            start = time.perf_counter()
+            batch.feed([question])
+            sequence.prefill_seconds = seconds_since(start, self.logits.device)
+            batches.append(batch)
+        first = batches[0]
+        for batch in batches[1:]:
+            first.join(batch)
+        return first
+
+    # -- saving and loading -----------------------------------------------------------------------
+    def save(self, path: str | Path) -> Path:
+        """Write the context to ``path`` (a safetensors file): tensors, and in its metadata the
+        method, options, budget, token ids and the model's identity."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        tensors, layers = _cache_tensors(self.cache)
+        tensors["logits"], tensors["positions"] = self.logits, self.positions
+        meta = {
+            "format": FORMAT, "d2o": _version(), "model": model_identity(self.model),
+            "method": self.method_name, "options": self.options, "budget": str(self.budget),
+            "min_tokens": self.budget.min_tokens, "ratio": self.budget.ratio, "tokens": self.budget.tokens,
+            "floor_given": self.budget.floor_given, "chat": self.chat, "conversation": self.conversation,
+            "ids": self.ids,
+            "layers": layers, "forwards": self.cache.forwards, "allocated": self.cache.allocated,
+            "probed": self.cache.probed,
+        }
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path),
+                      metadata={"d2o_context": json.dumps(meta, default=str)})
+        except OSError as error:
+            raise D2OError(f"cannot write the context to {str(path)!r}: {error.strerror or error}") from None
+        return path
+
+
+def compress(model, tokenizer, context: str | list[dict], method: str | Method = DEFAULT_METHOD,
+             budget: Budget | str | float = 0.2, *, chat: bool = False, min_tokens: int | None = None,
+             **method_options) -> CompressedContext:
+    """Prefill ``context`` and compress it to ``budget`` with ``method``, with no question in sight.
+
+    ``context``: a text, or (``chat=True``) a conversation (a list of messages; a text is one user
+    turn) in the model's chat template, without the assistant's prompt: the questions add it.
+    Returns a ``CompressedContext``; ``ask`` it any number of questions, ``save`` it to a file.
+    """
+    name = method if isinstance(method, str) else method.name
+    method, budget = resolve(method, budget, min_tokens, **method_options)
+    check_asks_later(method)
+    if chat:
+        conversation = [{"role": "user", "content": context}] if isinstance(context, str) else list(context)
+        ids = conversation_ids(tokenizer, conversation)
+    else:
+        conversation = None
+        ids = encode(tokenizer, [context])[0]
+    check_length(model, len(ids) + 1)
+    cache = CompressedCache(model, method, budget, tokenizer=tokenizer)
+    stops = stop_token_ids(model, tokenizer)
+    batch = Batch.prefill(model, cache, [ids], [Sequence(tokenizer, 1, stop_ids=stops)])
+    return CompressedContext(model, tokenizer, method, name, dict(method_options), ids, chat, cache, batch.logits,
+                             batch.positions, batch.sequences[0].prefill_seconds, stops, conversation)
+
+
+def conversation_ids(tokenizer, conversation: list[dict]) -> list[int]:
+    """The token ids of ``conversation`` in the chat template, ending after its last turn."""
+    from jinja2 import TemplateError
+
+    if not getattr(tokenizer, "chat_template", None):
+        raise D2OError("this model's tokenizer has no chat template: compress the context as text (chat=False)")
+    if not conversation or not any(str(turn.get("content") or "").strip() for turn in conversation):
+        raise D2OError("the context is empty")
+    try:
+        text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=False)
+    except TemplateError as error:
+        raise D2OError(f"the model's chat template refuses these messages: {error}") from None
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def continuation_ids(tokenizer, conversation: list[dict], turns: list[dict]) -> list[int]:
+    """The token ids ``turns`` add after ``conversation`` in the chat template, through the
+    assistant's prompt. Refused when the template writes the earlier turns differently once more
+    follow (their tokens would not be the compressed ones)."""
+    from d2o.runtime.prompts import chat_text
+
+    if not any(str(turn.get("content") or "").strip() for turn in turns):
+        raise D2OError("the question is empty")
+    before = conversation_ids(tokenizer, conversation)
+    whole = tokenizer(chat_text(tokenizer, conversation + turns), add_special_tokens=False).input_ids
+    if whole[: len(before)] != before:
+        raise D2OError("the model's chat template writes the earlier turns differently once a turn follows: "
+                       "the compressed context is not a prefix of the conversation with the question")
+    return whole[len(before):]
+
+
+def load_context(path: str | Path, model, tokenizer=None) -> CompressedContext:
+    """A context that ``CompressedContext.save`` wrote, on ``model`` (which must be the model it was
+    compressed with, in the same dtype, with the same d2o version). ``tokenizer``: the model's (by
+    default, the one saved with it)."""
+    from safetensors import SafetensorError, safe_open
+
+    from d2o.methods import get_method
+
+    path = Path(path)
+    if not path.is_file():
+        raise D2OError(f"no context file {str(path)!r}")
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            raw = (handle.metadata() or {}).get("d2o_context")
+    except (SafetensorError, OSError) as error:
+        raise D2OError(f"{path} is not a saved context (not a safetensors file: {error})") from None
+    if raw is None:
+        raise D2OError(f"{path} is a safetensors file but not a context that d2o saved")
+    meta = json.loads(raw)
+    if meta.get("format") != FORMAT or meta.get("d2o") != _version():
+        raise D2OError(f"{path} was saved by d2o {meta.get('d2o')} (format {meta.get('format')}); this is d2o "
+                       f"{_version()} (format {FORMAT}): compress the context again")
+    identity = model_identity(model)
+    differs = sorted(key for key in identity if meta["model"].get(key) != identity[key])
+    if differs:
+        raise D2OError(f"{path} was compressed with another model ({', '.join(differs)} differ: "
+                       f"{meta['model'].get('name')!r}, {meta['model'].get('dtype')}); load it with that model")
+    from safetensors.torch import load_file
+
+    device = next(model.parameters()).device
+    tensors = load_file(str(path), device=str(device))
+    method = get_method(meta["method"], **meta["options"])
+    budget = Budget(ratio=meta["ratio"], tokens=meta["tokens"], min_tokens=meta["min_tokens"],
+                    floor_given=meta["floor_given"])
+    cache = CompressedCache(model, method, budget, tokenizer=tokenizer)
+    _restore_cache(cache, tensors, meta)
+    if tokenizer is None:
+        tokenizer = cache.tokenizer
+    return CompressedContext(model, tokenizer, method, meta["method"], meta["options"], meta["ids"], meta["chat"],
+                             cache, tensors["logits"], tensors["positions"], 0.0, stop_token_ids(model, tokenizer),
+                             meta["conversation"])
+
+
+def model_identity(model) -> dict:
+    """What a saved context must match: the model's name, its configuration, a digest of weights
+    that differ between any two models of one configuration, and the dtype."""
+    config = model.config.to_dict()
+    name = config.pop("_name_or_path", "")
+    for volatile in ("transformers_version", "dtype", "torch_dtype", "_attn_implementation_autoset"):
+        config.pop(volatile, None)
+    config = json.dumps(config, sort_keys=True, default=str)
+    embeddings = model.get_input_embeddings().weight
+    digest = hashlib.sha256(embeddings[:16].detach().float().cpu().numpy().tobytes()).hexdigest()[:16]
+    return {"name": name, "config": hashlib.sha256(config.encode()).hexdigest()[:16], "weights": digest,
+            "dtype": str(embeddings.dtype).removeprefix("torch.")}
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("d2o")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+# Per-layer tensors a compressed cache holds (None where a layer has not set one).
+_LAYER_TENSORS = ("keys", "values", "token_index", "log_weight", "real_seen", "merged", "budget")
+
+
+def _cache_tensors(cache: CompressedCache) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """The cache's tensors by name, and per layer what is not a tensor (counts, the state's shape)."""
+    tensors, layers = {}, []
+    if cache._last_hidden is not None:  # the surprisal of the first token fed next reads them
+        tensors["last_hidden"] = cache._last_hidden
+    if cache._last_logits is not None:
+        tensors["last_logits.hidden"], tensors["last_logits.logits"] = cache._last_logits
+    for i, layer in enumerate(cache.layers):
+        if not layer.is_initialized:
+            layers.append(None)
+            continue
+        for name in _LAYER_TENSORS:
+            value = getattr(layer, name)
+            if value is not None:
+                tensors[f"{i}.{name}"] = value
+        for name, state in layer.slot_state.items():
+            tensors[f"{i}.slot.{name}"] = state
+        state = {}
+        if layer.state is not None:
+            for f in fields(layer.state):
+                value = getattr(layer.state, f.name)
+                if isinstance(value, torch.Tensor):
+                    tensors[f"{i}.state.{f.name}"] = value
+                    state[f.name] = "tensor"
+                elif isinstance(value, list):
+                    for j, item in enumerate(value):
+                        tensors[f"{i}.state.{f.name}.{j}"] = item
+                    state[f.name] = len(value)
+                else:
+                    state[f.name] = {"value": value}
+        layers.append({"seen": layer.seen, "observing": layer.observing, "slots": sorted(layer.slot_state),
+                       "state": state})
+    return tensors, layers
+
+
+def _restore_cache(cache: CompressedCache, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    if len(meta["layers"]) != len(cache.layers):
+        raise D2OError(f"the saved context has {len(meta['layers'])} layers, the model {len(cache.layers)}")
+    for i, (layer, saved) in enumerate(zip(cache.layers, meta["layers"])):
+        if saved is None:
+            continue
+        layer.lazy_initialization(tensors[f"{i}.keys"], tensors[f"{i}.values"])
+        for name in _LAYER_TENSORS:
+            setattr(layer, name, tensors.get(f"{i}.{name}"))
+        layer.slot_state = {name: tensors[f"{i}.slot.{name}"] for name in saved["slots"]}
+        layer.seen, layer.observing = saved["seen"], saved["observing"]
+        if layer.state is not None:
+            values = {}
+            for name, kind in saved["state"].items():
+                if kind == "tensor":
+                    values[name] = tensors[f"{i}.state.{name}"]
+                elif isinstance(kind, int):
+                    values[name] = [tensors[f"{i}.state.{name}.{j}"] for j in range(kind)]
+                else:
+                    values[name] = kind["value"]
+            layer.state = replace(layer.state, **values)
+    cache.forwards, cache.allocated, cache.probed = meta["forwards"], meta["allocated"], meta["probed"]
+    cache._prompt = []
+    cache._last_hidden = tensors.get("last_hidden")
+    if "last_logits.hidden" in tensors:
+        cache._last_logits = (tensors["last_logits.hidden"], tensors["last_logits.logits"])
