@@ -196,13 +196,17 @@ def serve(
     dtype: str = typer.Option("float32"),
     attention: str = typer.Option("sdpa"),
     device_map: Optional[str] = typer.Option(None, help="accelerate's placement (auto, cuda:1): one device."),
+    prefix_cache_memory: str = typer.Option(
+        "0", help="Of --kv-memory, the bytes kept for compressed prefixes (a chat's earlier turns, a shared "
+                  "document), reused by the requests that begin with them; 0: none."),
 ):
     """An OpenAI-compatible server: continuous batching, admission by KV memory (see README, Serving)."""
     from d2o.serve.config import ServeConfig
 
     config = ServeConfig(model=model, method=method, budget=budget, min_tokens=min_tokens,
                          kv_memory=parse_bytes(kv_memory), max_queue=max_queue, max_tokens=max_tokens, dtype=dtype,
-                         attention=attention, device_map=device_map)
+                         attention=attention, device_map=device_map,
+                         prefix_cache_memory=0 if prefix_cache_memory.strip() == "0" else parse_bytes(prefix_cache_memory))
     if replicas < 0:
         raise D2OError(f"replicas must be >= 0, got {replicas}")
     config.check()  # before the model loads

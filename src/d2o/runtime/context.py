@@ -140,6 +140,33 @@ class CompressedContext:
             first.join(batch)
         return first
 
+    def extend(self, more: str | list[dict], chat: bool | None = None) -> CompressedContext:
+        """A new context: this one with ``more`` fed after it (text, or with ``chat`` more turns of
+        the conversation) and compressed back to the budget; this one is unchanged."""
+        chat = self.chat if chat is None else chat
+        if chat and not isinstance(more, str):
+            turns = list(more)
+            if not self.chat:
+                raise D2OError("more turns need a context compressed as a conversation (compress(..., chat=True))")
+            ids = continuation_ids(self.tokenizer, self.conversation, turns, generation_prompt=False)
+            return self.extend_ids(ids, self.conversation + turns)
+        if chat:
+            return self.extend([{"role": "user", "content": more}], chat=True)
+        return self.extend_ids(self.question_ids(more, chat=False))
+
+    def extend_ids(self, ids: list[int], conversation: list[dict] | None = None) -> CompressedContext:
+        """``extend`` by token ids (``conversation``: the messages the context then holds)."""
+        if not ids:
+            raise D2OError("nothing to extend the context with")
+        check_length(self.model, len(self.ids) + len(ids) + 1)
+        batch = Batch(self.model, self.cache.copy(), [Sequence(self.tokenizer, 1)], self.logits, self.positions)
+        start = time.perf_counter()
+        batch.feed([ids])
+        seconds = seconds_since(start, self.logits.device)
+        return replace(self, ids=self.ids + list(ids), cache=batch.cache, logits=batch.logits,
+                       positions=batch.positions, prefill_seconds=self.prefill_seconds + seconds,
+                       conversation=conversation if conversation is not None else self.conversation)
+
     # -- saving and loading -----------------------------------------------------------------------
     def save(self, path: str | Path) -> Path:
         """Write the context to ``path`` (a safetensors file): tensors, and in its metadata the
@@ -178,19 +205,28 @@ def compress(model, tokenizer, context: str | list[dict], method: str | Method =
     """
     name = method if isinstance(method, str) else method.name
     method, budget = resolve(method, budget, min_tokens, **method_options)
-    check_asks_later(method)
     if chat:
         conversation = [{"role": "user", "content": context}] if isinstance(context, str) else list(context)
         ids = conversation_ids(tokenizer, conversation)
     else:
         conversation = None
         ids = encode(tokenizer, [context])[0]
+    return compress_ids(model, tokenizer, ids, method, budget, name=name, options=dict(method_options),
+                        conversation=conversation)
+
+
+def compress_ids(model, tokenizer, ids: list[int], method: Method, budget: Budget, *, name: str | None = None,
+                 options: dict | None = None, conversation: list[dict] | None = None) -> CompressedContext:
+    """``compress`` of token ids, with a method object and a parsed budget (checked against each
+    other: ``resolve``); ``conversation``: the messages ``ids`` are, if they are a conversation."""
+    check_asks_later(method)
     check_length(model, len(ids) + 1)
     cache = CompressedCache(model, method, budget, tokenizer=tokenizer)
     stops = stop_token_ids(model, tokenizer)
     batch = Batch.prefill(model, cache, [ids], [Sequence(tokenizer, 1, stop_ids=stops)])
-    return CompressedContext(model, tokenizer, method, name, dict(method_options), ids, chat, cache, batch.logits,
-                             batch.positions, batch.sequences[0].prefill_seconds, stops, conversation)
+    return CompressedContext(model, tokenizer, method, name or method.name, options or {}, list(ids),
+                             conversation is not None, cache, batch.logits, batch.positions,
+                             batch.sequences[0].prefill_seconds, stops, conversation)
 
 
 def conversation_ids(tokenizer, conversation: list[dict]) -> list[int]:
@@ -208,16 +244,19 @@ def conversation_ids(tokenizer, conversation: list[dict]) -> list[int]:
     return tokenizer(text, add_special_tokens=False).input_ids
 
 
-def continuation_ids(tokenizer, conversation: list[dict], turns: list[dict]) -> list[int]:
+def continuation_ids(tokenizer, conversation: list[dict], turns: list[dict],
+                     generation_prompt: bool = True) -> list[int]:
     """The token ids ``turns`` add after ``conversation`` in the chat template, through the
-    assistant's prompt. Refused when the template writes the earlier turns differently once more
-    follow (their tokens would not be the compressed ones)."""
+    assistant's prompt (unless ``generation_prompt`` is False). Refused when the template writes
+    the earlier turns differently once more follow (their tokens would not be the compressed ones)."""
     from d2o.runtime.prompts import chat_text
 
     if not any(str(turn.get("content") or "").strip() for turn in turns):
         raise D2OError("the question is empty")
     before = conversation_ids(tokenizer, conversation)
-    whole = tokenizer(chat_text(tokenizer, conversation + turns), add_special_tokens=False).input_ids
+    whole = tokenizer(chat_text(tokenizer, conversation + turns) if generation_prompt
+                      else tokenizer.apply_chat_template(conversation + turns, tokenize=False),
+                      add_special_tokens=False).input_ids
     if whole[: len(before)] != before:
         raise D2OError("the model's chat template writes the earlier turns differently once a turn follows: "
                        "the compressed context is not a prefix of the conversation with the question")

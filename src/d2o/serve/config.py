@@ -10,7 +10,8 @@ from d2o.errors import D2OError
 @dataclass(frozen=True)
 class ServeConfig:
     """What ``d2o serve`` runs: the model, the default method and budget of a request that names
-    none, the KV memory cap, the queue, and the default ``max_tokens``."""
+    none, the KV memory cap (and its share for compressed prefixes), the queue, and the default
+    ``max_tokens``."""
 
     model: str = "smollm2"
     method: str = "d2o"
@@ -22,6 +23,7 @@ class ServeConfig:
     dtype: str = "float32"
     attention: str = "sdpa"
     device_map: str | None = None
+    prefix_cache_memory: int = 0  # bytes of --kv-memory for compressed prefixes (0: no prefix cache)
 
     def check(self):
         """Refuse bad options before anything heavy loads (the method and budget too); returns the
@@ -31,6 +33,9 @@ class ServeConfig:
             raise D2OError(f"max_queue must be >= 0, got {self.max_queue}")
         if self.max_tokens < 1:
             raise D2OError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not 0 <= self.prefix_cache_memory < self.kv_memory:
+            raise D2OError(f"--prefix-cache-memory ({self.prefix_cache_memory:,} bytes) is part of --kv-memory "
+                           f"({self.kv_memory:,}): it must be >= 0 and leave room for the requests")
 
         from d2o.runtime.generation import resolve  # torch loads here, the model not yet
 

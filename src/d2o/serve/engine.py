@@ -25,12 +25,14 @@ from d2o.budget import Budget
 from d2o.engine.cache import CompressedCache
 from d2o.errors import D2OError
 from d2o.methods import get_method
+from d2o.runtime.context import compress_ids, conversation_ids
 from d2o.runtime.decoding import Batch, Sampling, Sequence
 from d2o.runtime.generation import resolve
 from d2o.runtime.memory import peak_slots, plan, slot_bytes
 from d2o.runtime.prompts import check_length, encode, positions, stop_token_ids
 from d2o.serve.config import ServeConfig
 from d2o.serve.jobs import Job, Lane, stable_text
+from d2o.serve.prefixes import MIN_PREFIX_TOKENS, PrefixCache
 from d2o.serve.protocol import APIError, Generation
 from d2o.serve.stats import Stats
 
@@ -53,6 +55,7 @@ class Engine:
             raise D2OError(f"--kv-memory of {self.cap:,} bytes holds not one request (a 1-token prompt and 1 new "
                            f"token need {smallest:,} bytes under {config.method})")
         self.stats = Stats()
+        self.prefixes = PrefixCache(config.prefix_cache_memory) if config.prefix_cache_memory else None
         self._methods: dict[tuple, tuple] = {}  # key -> (method, budget), for /metrics
         self._lock = threading.Condition()
         self._waiting: deque[Job] = deque()  # not admitted yet
@@ -108,7 +111,24 @@ class Engine:
         sampling = Sampling(request.temperature, request.top_p, request.seed, max(request.top_k, 0))
         sequence = Sequence(self.tokenizer, max_tokens, sampling, self.stops, tuple(request.stop or ()),
                             stop_after_space=False)  # OpenAI: a stop string anywhere ends the answer
-        return Job(ids, sequence, method, budget, kv_plan, request.stream, loop)
+        job = Job(ids, sequence, method, budget, kv_plan, request.stream, loop)
+        if self.prefixes is not None and chat and method.compress_after_forward == 1:
+            job.boundary = self._boundary(prompt, ids)
+        return job
+
+    def _boundary(self, messages: list[dict], ids: list[int]) -> int | None:
+        """Where the turns before a chat's last user message end in ``ids`` (None: it does not end
+        in a user message after others, the turns are too short to keep, or the template writes
+        them differently once the message follows)."""
+        if len(messages) < 2 or messages[-1].get("role") != "user":
+            return None
+        try:
+            before = conversation_ids(self.tokenizer, messages[:-1])
+        except D2OError:
+            return None
+        if len(before) < MIN_PREFIX_TOKENS or len(before) >= len(ids) or ids[: len(before)] != before:
+            return None
+        return len(before)
 
     def _resolve(self, request: Generation):
         try:
@@ -156,7 +176,8 @@ class Engine:
     def _reserved(self, admitted) -> int:
         held = sum(job.plan.held_bytes for job in admitted)
         prefill = max((job.plan.prefill_bytes - job.plan.held_bytes for job in admitted), default=0)
-        return sum(self._bounds.values()) + held + max(prefill, 0)
+        kept = 0 if self.prefixes is None else self.prefixes.nbytes
+        return sum(self._bounds.values()) + held + max(prefill, 0) + kept
 
     def _admit(self, job: Job) -> None:
         self._admitted.append(job)
@@ -196,10 +217,12 @@ class Engine:
     def _prefill(self, job: Job) -> None:
         if job.cancelled:
             return self._settle(job, None, "cancelled")
-        cache = CompressedCache(self.model, job.method, job.budget)
         try:
-            batch = Batch.prefill(self.model, cache, [job.ids], [job.sequence])
-            job.peaks = peak_slots(cache, job.sequence.max_new_tokens)[0]
+            batch = self._from_prefix(job) if self.prefixes is not None else None
+            if batch is None:
+                batch = Batch.prefill(self.model, CompressedCache(self.model, job.method, job.budget), [job.ids],
+                                      [job.sequence])
+            job.peaks = peak_slots(batch.cache, job.sequence.max_new_tokens)[0]
         except D2OError as error:  # e.g. a ratio too small for a short prompt without a floor
             return self._settle(job, APIError(400, str(error), "kv_budget"), "failed")
         except Exception as error:  # noqa: BLE001 - the server keeps serving the others
@@ -223,6 +246,30 @@ class Engine:
             self.stats.running_peak[job.key] = max(self.stats.running_peak[job.key], running)
         self._record_kv()
         job.emit("started")
+
+    def _from_prefix(self, job: Job) -> Batch | None:
+        """The job's batch from the prefix cache: the longest kept prefix of its tokens, extended to
+        its boundary (and kept there) if it has more turns, or its turns compressed and kept there
+        if none is; then the rest of its prompt fed. None when it has no prefix to reuse or keep."""
+        key = (job.key, job.budget.min_tokens, repr(job.method))
+        limit = job.boundary if job.boundary is not None else len(job.ids) - 1
+        found = self.prefixes.longest(key, job.ids, limit)
+        context = found
+        if job.boundary is not None and (found is None or len(found.ids) < job.boundary):
+            context = (compress_ids(self.model, self.tokenizer, job.ids[: job.boundary], job.method, job.budget)
+                       if found is None else found.extend_ids(job.ids[len(found.ids): job.boundary]))
+            with self._lock:
+                self.prefixes.add(key, context, self.cap - self._reserved(self._admitted))
+        with self._lock:
+            if found is None:
+                self.prefixes.misses += 1
+            else:
+                self.prefixes.hits += 1
+                self.prefixes.cached_tokens += len(found.ids)
+        if context is None:
+            return None
+        job.cached_tokens = 0 if found is None else len(found.ids)
+        return context.answer_batch([job.ids[len(context.ids):]], [job.sequence])
 
     def _fail_all(self, error: Exception) -> None:
         with self._lock:
@@ -296,6 +343,8 @@ class Engine:
 
     def _record_kv(self, extra: int = 0) -> None:
         in_use = sum(lane.batch.cache.nbytes for lane in self._lanes if lane.batch.sequences) + extra
+        if self.prefixes is not None:
+            in_use += self.prefixes.nbytes
         with self._lock:
             self.stats.kv(in_use)
 
@@ -320,6 +369,12 @@ class Engine:
                 "kv_bytes_peak": stats.kv_bytes_peak,
                 "kv_bytes_reserved": self._reserved(self._admitted),
                 "kv_bytes_cap": self.cap,
+                "prefix_cache_bytes": 0 if self.prefixes is None else self.prefixes.nbytes,
+                "prefix_cache_entries": 0 if self.prefixes is None else len(self.prefixes),
+                "prefix_cache_hits_total": 0 if self.prefixes is None else self.prefixes.hits,
+                "prefix_cache_misses_total": 0 if self.prefixes is None else self.prefixes.misses,
+                "prefix_cache_evictions_total": 0 if self.prefixes is None else self.prefixes.evictions,
+                "prompt_tokens_cached_total": 0 if self.prefixes is None else self.prefixes.cached_tokens,
             }
             shapes = dict(stats.shapes)
         values["kv_fit_requests"], values["kv_fit_requests_full"] = self._fits(shapes)

@@ -24,6 +24,7 @@ class Result:
     kv_tokens_full: int
     kv_bytes: int
     kv_bytes_full: int
+    cached_tokens: int = 0  # prompt tokens found compressed in the prefix cache
 
 
 class Job:
@@ -40,6 +41,8 @@ class Job:
         self.peaks: torch.Tensor | None = None  # (L,) its row's most slots per layer, once prefilled
         self.sent = ""  # text streamed so far
         self.counted = 0  # tokens counted in the statistics so far
+        self.boundary: int | None = None  # its earlier turns' length, where its prefix may be cached
+        self.cached_tokens = 0  # of its prompt, found compressed in the prefix cache
 
     def emit(self, kind: str, payload=None) -> None:
         try:
@@ -50,7 +53,7 @@ class Job:
     def result(self) -> Result:
         seq, report = self.sequence, self.sequence.report
         return Result(seq.text, seq.finish_reason, seq.prompt_tokens, len(seq.tokens), report.kv_tokens_kept,
-                      report.kv_tokens_full, report.kv_bytes, report.kv_bytes_full)
+                      report.kv_tokens_full, report.kv_bytes, report.kv_bytes_full, self.cached_tokens)
 
 
 def stable_text(sequence: Sequence) -> str:

@@ -165,12 +165,14 @@ def new_id(kind: str) -> str:
 
 
 def usage(result) -> dict:
-    """Token counts, and what the request's cache held when it finished (its share of a batch's
+    """Token counts (the prompt's tokens found compressed in the prefix cache as OpenAI reports
+    cached tokens), and what the request's cache held when it finished (its share of a batch's
     tensors) against what a full cache would have held."""
     return {
         "prompt_tokens": result.prompt_tokens,
         "completion_tokens": result.completion_tokens,
         "total_tokens": result.prompt_tokens + result.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
         "kv_tokens": result.kv_tokens,
         "kv_tokens_full": result.kv_tokens_full,
         "kv_bytes": result.kv_bytes,

@@ -57,6 +57,12 @@ HELP = {
     "kv_bytes_peak": ("gauge", "Most KV cache bytes held at once (a prefill's whole prompt included)."),
     "kv_bytes_reserved": ("gauge", "KV bytes reserved: what admitted requests can hold at most, padding included."),
     "kv_bytes_cap": ("gauge", "The KV memory cap (--kv-memory)."),
+    "prefix_cache_bytes": ("gauge", "KV bytes of the compressed prefixes kept (part of kv_bytes and of the cap)."),
+    "prefix_cache_entries": ("gauge", "Compressed prefixes kept."),
+    "prefix_cache_hits_total": ("counter", "Requests that began with a kept compressed prefix."),
+    "prefix_cache_misses_total": ("counter", "Requests with a prefix cache that found none kept."),
+    "prefix_cache_evictions_total": ("counter", "Kept prefixes evicted (least recently used) to make room."),
+    "prompt_tokens_cached_total": ("counter", "Prompt tokens found compressed in the prefix cache, not prefilled."),
     "kv_fit_requests": ("gauge", "Requests of this method's mean shape (prompt, max_tokens) that fit at once."),
     "kv_fit_requests_full": ("gauge", "Requests of the same shape that fit at once with the full cache."),
 }

@@ -1,0 +1,85 @@
+"""The server's compressed prefix cache, end to end through the official openai client."""
+
+from __future__ import annotations
+
+import pytest
+from test_serve import client, essay, scrape, serving
+
+from d2o.errors import D2OError
+from d2o.options import parse_bytes
+from d2o.runtime.context import compress, conversation_ids
+from d2o.serve.config import ServeConfig
+
+pytestmark = pytest.mark.real_model
+
+
+def ask(url: str, messages: list[dict]):
+    return client(url).chat.completions.create(model="smollm2", messages=messages, max_tokens=10, temperature=0,
+                                               extra_body={"kv_method": "d2o-novelty", "kv_budget": 0.2})
+
+
+def test_a_chat_reuses_its_compressed_turns_and_answers_as_the_library_does(real_model):
+    model, tokenizer = real_model
+    document = [{"role": "system", "content": "Answer from this document.\n\n" + essay(tokenizer, 400)}]
+    first_question = {"role": "user", "content": "What is the document about?"}
+    second_question = {"role": "user", "content": "Who wrote it?"}
+    context = compress(model, tokenizer, document, "d2o-novelty", 0.2, chat=True)
+    with serving(model, tokenizer, kv_memory=parse_bytes("256MB"), prefix_cache_memory=parse_bytes("64MB")) as (url, _):
+        first = ask(url, document + [first_question])  # nothing kept yet: the document is compressed, then kept
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        assert first.choices[0].message.content == context.ask(first_question["content"], 10).text
+        values = scrape(url)
+        assert values["d2o_prefix_cache_entries"] == 1 and values["d2o_prefix_cache_misses_total"] == 1
+        assert values["d2o_prefix_cache_bytes"] == context.nbytes
+
+        again = ask(url, document + [second_question])  # another question on the kept document
+        assert again.usage.prompt_tokens_details.cached_tokens == len(context.ids) > 128
+        assert again.choices[0].message.content == context.ask(second_question["content"], 10).text
+
+        # The chat's next turn: the kept document, extended by the first exchange (kept too), then the question.
+        answer = {"role": "assistant", "content": first.choices[0].message.content}
+        turn = ask(url, document + [first_question, answer, second_question])
+        assert turn.usage.prompt_tokens_details.cached_tokens == len(context.ids)
+        extended = context.extend([first_question, answer])
+        assert turn.choices[0].message.content == extended.ask(second_question["content"], 10).text
+        values = scrape(url)
+        assert values["d2o_prefix_cache_entries"] == 2 and values["d2o_prefix_cache_hits_total"] == 2
+        assert values["d2o_prompt_tokens_cached_total"] == 2 * len(context.ids)
+        assert values["d2o_prefix_cache_bytes"] == context.nbytes + extended.nbytes
+        assert values["d2o_kv_bytes"] >= values["d2o_prefix_cache_bytes"]  # counted under the cap
+
+
+def test_kept_prefixes_are_evicted_least_recently_used_within_their_memory(real_model):
+    model, tokenizer = real_model
+    documents = [[{"role": "system", "content": essay(tokenizer, 300, skip=1000 * i)}] for i in range(3)]
+    one = compress(model, tokenizer, documents[0], "d2o-novelty", 0.2, chat=True).nbytes
+    question = {"role": "user", "content": "Summarise."}
+    with serving(model, tokenizer, kv_memory=parse_bytes("256MB"), prefix_cache_memory=int(one * 2.5)) as (url, _):
+        for document in documents[:2]:
+            ask(url, document + [question])
+        ask(url, documents[0] + [question])  # used again: documents[1] is now the least recently used
+        ask(url, documents[2] + [question])
+        values = scrape(url)
+        assert values["d2o_prefix_cache_entries"] == 2 and values["d2o_prefix_cache_evictions_total"] == 1
+        assert ask(url, documents[0] + [question]).usage.prompt_tokens_details.cached_tokens > 0
+        assert ask(url, documents[1] + [question]).usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_without_a_prefix_cache_nothing_is_kept_and_short_turns_are_never_kept(real_model):
+    model, tokenizer = real_model
+    short = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert len(conversation_ids(tokenizer, short[:1])) < 128
+    with serving(model, tokenizer, kv_memory=parse_bytes("128MB")) as (url, _):
+        long = [{"role": "system", "content": essay(tokenizer, 300)}, {"role": "user", "content": "Summarise."}]
+        assert ask(url, long).usage.prompt_tokens_details.cached_tokens == 0
+        assert ask(url, long).usage.prompt_tokens_details.cached_tokens == 0
+        assert scrape(url)["d2o_prefix_cache_entries"] == 0
+    with serving(model, tokenizer, kv_memory=parse_bytes("128MB"), prefix_cache_memory=parse_bytes("32MB")) as (url,
+                                                                                                              _):
+        ask(url, short)
+        assert scrape(url)["d2o_prefix_cache_entries"] == 0
+
+
+def test_the_prefix_memory_must_leave_room_for_requests():
+    with pytest.raises(D2OError, match="--prefix-cache-memory .* is part of --kv-memory"):
+        ServeConfig(kv_memory=1000, prefix_cache_memory=1000).check()
