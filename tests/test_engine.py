@@ -391,6 +391,17 @@ def test_a_temperature_too_small_for_float32_samples_the_likeliest_token(tempera
     assert probs.isfinite().all() and probs[logits.argmax()] == 1.0 and probs.sum() == 1.0
 
 
+@pytest.mark.parametrize("top_p", [5e-324, 1e-50])
+def test_a_top_p_too_small_for_float32_keeps_the_likeliest_token(top_p):
+    """A top_p that is 0 in float32 dropped every token (the first too): NaN, a 500 (found by the
+    API fuzzer, tests/test_fuzz.py)."""
+    from d2o.runtime.decoding import Sampling
+
+    logits = torch.randn(500, generator=torch.Generator().manual_seed(3)) * 3
+    probs = Sampling(temperature=1.0, top_p=top_p).probabilities(logits)
+    assert probs.isfinite().all() and probs[logits.argmax()] == 1.0 and probs.sum() == 1.0
+
+
 class _Letters:
     """A tokenizer whose token i is the i-th character of ``text``."""
 

@@ -206,7 +206,7 @@ def serve(
     config = ServeConfig(model=model, method=method, budget=budget, min_tokens=min_tokens,
                          kv_memory=parse_bytes(kv_memory), max_queue=max_queue, max_tokens=max_tokens, dtype=dtype,
                          attention=attention, device_map=device_map,
-                         prefix_cache_memory=0 if prefix_cache_memory.strip() == "0" else parse_bytes(prefix_cache_memory))
+                         prefix_cache_memory=memory_or_none(prefix_cache_memory))
     if replicas < 0:
         raise D2OError(f"replicas must be >= 0, got {replicas}")
     config.check()  # before the model loads
@@ -554,14 +554,29 @@ def bench_serve(
     requests: int = typer.Option(16, help="Requests in all (each client sends its next when one ends)."),
     prompt_tokens: int = typer.Option(1000, help="Tokens per prompt (different stretches of the essays)."),
     max_tokens: int = typer.Option(64, help="max_tokens of every request."),
+    workload: str = typer.Option(
+        "prompts", help="prompts (different texts), documents (--documents x --questions each, concurrent) or "
+                        "chat (one conversation per document, its questions in turns)."),
+    documents: int = typer.Option(4, help="documents and chat: the documents (NIAH haystacks of --prompt-tokens)."),
+    questions: int = typer.Option(8, help="documents and chat: questions per document (its needles, 1 to 8)."),
+    prefix_cache: str = typer.Option(
+        "0", help="Comma-separated --prefix-cache-memory sizes, each run in turn (0: none), e.g. 0,32MB."),
     out: Optional[Path] = typer.Option(None, help="Write the rows as JSON to this file."),
 ):
     """Requests/s, tokens/s, latency and time to first token of a server per method, same KV memory."""
+    from d2o.bench.serve import WORKLOADS
 
     cap, names, parsed = (parse_bytes(kv_memory), distinct(split_list(methods), "methods"),
                           parse_budgets([budget], min_tokens)[0])
-    if min(clients, requests, prompt_tokens, max_tokens) < 1:
-        raise D2OError("clients, requests, prompt-tokens and max-tokens must be at least 1")
+    if min(clients, requests, prompt_tokens, max_tokens, documents) < 1:
+        raise D2OError("clients, requests, prompt-tokens, max-tokens and documents must be at least 1")
+    if workload not in WORKLOADS:
+        raise D2OError(f"workload {workload!r} must be one of {', '.join(WORKLOADS)}")
+    if not 1 <= questions <= 8:
+        raise D2OError(f"questions={questions} must be from 1 to 8 (the built-in needles)")
+    prefix_sizes = tuple(memory_or_none(size) for size in split_list(prefix_cache))
+    if any(size >= cap for size in prefix_sizes):
+        raise D2OError(f"a --prefix-cache size is part of --kv-memory ({cap:,} bytes) and must be smaller")
     if not names:
         raise D2OError("no methods given")
     if out is not None:
@@ -585,11 +600,16 @@ def bench_serve(
             raise D2OError(f"--kv-memory {kv_memory} holds not one {prompt_tokens} + {max_tokens}-token request "
                            f"under {name} (it needs {need:,} bytes)")
     rows = run(net, tokenizer, [(name, budget) for name in names], cap, clients, requests, prompt_tokens, max_tokens,
-               min_tokens)
+               min_tokens, workload, documents, questions, prefix_sizes)
     print(markdown(rows))
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(rows, indent=1) + "\n")
+
+
+def memory_or_none(text: str) -> int:
+    """A memory size, or 0 for none."""
+    return 0 if text.strip() == "0" else parse_bytes(text)
 
 
 def quiet() -> None:

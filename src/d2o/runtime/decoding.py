@@ -58,7 +58,8 @@ class Sampling:
             probs /= probs.sum()
         if self.top_p < 1.0:
             sorted_probs, order = probs.sort(descending=True)
-            outside = sorted_probs.cumsum(-1) - sorted_probs >= self.top_p  # the first always stays
+            outside = sorted_probs.cumsum(-1) - sorted_probs >= self.top_p
+            outside[0] = False  # the likeliest always stays (a top_p below float32's smallest is 0 there)
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs.masked_fill(outside, 0.0))
             probs /= probs.sum()
         return probs
