@@ -14,7 +14,7 @@ from typing import Optional
 
 import typer
 
-from d2o.bench import FIT_MAX_BATCH, check_fit_generate
+from d2o.bench import FIT_MAX_BATCH, SERVE_WORKLOADS, check_fit_generate
 from d2o.budget import Budget, parse_budgets
 from d2o.errors import D2OError
 from d2o.options import distinct, option_texts, parse_bytes, parse_options, split_list
@@ -564,14 +564,12 @@ def bench_serve(
     out: Optional[Path] = typer.Option(None, help="Write the rows as JSON to this file."),
 ):
     """Requests/s, tokens/s, latency and time to first token of a server per method, same KV memory."""
-    from d2o.bench.serve import WORKLOADS
-
     cap, names, parsed = (parse_bytes(kv_memory), distinct(split_list(methods), "methods"),
                           parse_budgets([budget], min_tokens)[0])
     if min(clients, requests, prompt_tokens, max_tokens, documents) < 1:
         raise D2OError("clients, requests, prompt-tokens, max-tokens and documents must be at least 1")
-    if workload not in WORKLOADS:
-        raise D2OError(f"workload {workload!r} must be one of {', '.join(WORKLOADS)}")
+    if workload not in SERVE_WORKLOADS:
+        raise D2OError(f"workload {workload!r} must be one of {', '.join(SERVE_WORKLOADS)}")
     if not 1 <= questions <= 8:
         raise D2OError(f"questions={questions} must be from 1 to 8 (the built-in needles)")
     prefix_sizes = tuple(memory_or_none(size) for size in split_list(prefix_cache))

@@ -111,9 +111,6 @@ def serve_prompts(tokenizer, requests: int, prompt_tokens: int) -> list[str]:
     return [tokenizer.decode(prompt_of(i)) for i in range(requests)]
 
 
-WORKLOADS = ("prompts", "documents", "chat")
-
-
 def workload(tokenizer, kind: str, requests: int, prompt_tokens: int, documents: int,
              questions: int) -> list[Conversation]:
     """The conversations of a workload, in the order they are taken (the last first).
