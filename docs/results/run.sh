@@ -22,6 +22,10 @@ for protocol in prompt context; do
   $D2O eval --task niah $NIAH --limit 1 --seed 0 --methods $methods --budgets $B --protocol $protocol \
     --out "$OUT/niah$suffix"
 done
+# Several needles in one haystack, asked one by one of one compressed context.
+$D2O eval --task niah --task-option needles=8 --task-option lengths=1000,2000 --limit 2 --seed 0 --protocol context \
+  --methods full,d2o-novelty,d2o-plus,kvzip,expected-attention,pyramidkv,snapkv,h2o,d2o --budgets $B \
+  --out "$OUT/niah-needles-context"
 # Perplexity for the main methods, the d2o-plus merge ablations and d2o-novelty's (the others are judged on the
 # retrieval tasks).
 P=full,local,streamingllm,h2o,tova,snapkv,pyramidkv,cam,roco,sirllm,d2o,d2o-nomerge,d2o-official,d2o-plus
