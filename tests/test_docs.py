@@ -86,3 +86,23 @@ def test_a_renamed_method_in_a_document_is_found(tmp_path):
         check_command(args)
     with pytest.raises(AssertionError, match="--metods"):
         check_command(["eval", "--task", "passkey", "--metods", "full"])
+
+
+def test_the_docs_site_builds_strictly_and_every_guide_is_in_its_navigation(tmp_path):
+    """``mkdocs build --strict``: no broken link, no missing page, no API reference that does not
+    resolve; every guide reachable from the navigation."""
+    import yaml
+
+    nav = json.dumps(yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"])
+    for page in [ROOT / "docs" / "index.md", ROOT / "docs" / "ARCHITECTURE.md", *(ROOT / "docs" / "guides").glob("*.md")]:
+        assert str(page.relative_to(ROOT / "docs")) in nav, f"{page} is not in the site's navigation"
+    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "site" / "reference" / "index.html").read_text().count("compress") > 3
+
+
+def test_the_readme_is_short():
+    words = len((ROOT / "README.md").read_text(encoding="utf-8").split())
+    assert words <= 1500, f"README.md has {words} words"
