@@ -200,7 +200,7 @@ def serve(
         "0", help="Of --kv-memory, the bytes kept for compressed prefixes (a chat's earlier turns, a shared "
                   "document), reused by the requests that begin with them; 0: none."),
 ):
-    """An OpenAI-compatible server: continuous batching, admission by KV memory (see README, Serving)."""
+    """An OpenAI-compatible server: continuous batching, admission by KV memory (see docs/guides/serving.md)."""
     from d2o.serve.config import ServeConfig
 
     config = ServeConfig(model=model, method=method, budget=budget, min_tokens=min_tokens,

@@ -2,7 +2,7 @@
 memory cap), behind Ray's HTTP proxy, which spreads requests over them.
 
 ``d2o serve --replicas N`` starts a private local Ray; on a cluster, ``serve run`` a config whose
-``import_path`` is ``d2o.serve.ray_serve:build_app`` (README, Serving). Needs ``pip install 'd2o[ray]'``.
+``import_path`` is ``d2o.serve.ray_serve:build_app`` (docs/guides/serving.md). Needs ``pip install 'd2o[ray]'``.
 """
 
 from __future__ import annotations
