@@ -120,6 +120,17 @@ def test_a_method_decoding_alone_reports_its_own_peak_not_the_others_caches(tiny
     assert rows["h2o"]["peak_mib"] < rows["full"]["kv_mib"]  # the full cache is not held beside it
 
 
+def test_decode_counts_the_operations_of_a_step_and_compression_adds_some(tiny):
+    rows = {row["method"]: row for row in bench_decode(tiny, None, ["full", "streamingllm", "h2o", "d2o"], [200], [1],
+                                                       Budget(ratio=0.2, min_tokens=0), steps=6)}
+    ops = {name: row["ops_per_step"] for name, row in rows.items()}
+    # The stock cache appends and attends; an evicting cache also masks by slot and chooses a victim;
+    # H2O accumulates attention besides; D2O also merges.
+    assert 0 < ops["full"] < ops["streamingllm"] < ops["h2o"] < ops["d2o"], ops
+    short = bench_decode(tiny, None, ["full"], [200], [1], Budget.parse("0.2"), steps=3)
+    assert "ops_per_step" not in short[0]  # too few steps to count one past the first
+
+
 def test_the_gpu_script_runs_on_the_cpu(tmp_path):
     """benchmarks/gpu.sh with a tiny shape: the same commands and files as on a GPU."""
     env = {**os.environ, "SHAPE": "tiny", "DEVICE": "cpu", "DTYPE": "float32", "PROMPT": "64", "GENERATE": "64",

@@ -16,6 +16,7 @@ import copy
 import statistics
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DynamicCache
 
 from d2o.bench.memory import cache_bytes, measure_peak
@@ -41,6 +42,32 @@ def _step(model, name: str, run: Batch) -> None:
         run.step()
 
 
+class _OperationCount(TorchDispatchMode):
+    """Counts the tensor operations dispatched while it is active (each a kernel launch on a GPU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.operations = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.operations += 1
+        return func(*args, **(kwargs or {}))
+
+
+def operations_per_step(model, name: str, run: Batch, steps: int = 3) -> int:
+    """The median count of tensor operations in one of ``run``'s decode steps (of the next ``steps``
+    after one untimed step: the first may allocate what the others reuse)."""
+    _step(model, name, run)
+    counts = []
+    for _ in range(steps):
+        if not run.sequences:
+            break
+        with _OperationCount() as counter:
+            _step(model, name, run)
+        counts.append(counter.operations)
+    return int(statistics.median(counts))
+
+
 def _decode_alone(model, name: str, run: Batch) -> Batch:
     while run.sequences:
         _step(model, name, run)
@@ -58,7 +85,8 @@ def _decode_in_turn(model, runs: dict[str, Batch]) -> None:
 
 def bench_decode(model, tokenizer, methods: list[str], lengths: list[int], batches: list[int], budget,
                  steps: int = 32, repeats: int = 1, alone: bool | None = None) -> list[dict]:
-    """Per (length, batch, method): ms per decode step, tokens/s, KV bytes, and each against the
+    """Per (length, batch, method): ms per decode step, tokens/s, KV bytes, the tensor operations of
+    one decode step (counted apart from the timed runs; with ``steps`` >= 4), and each against the
     full cache measured in the same run. ``alone``: each method decodes alone, its peak memory
     measured (``peak_mib``; by default on a GPU), rather than in turn with the others."""
     policies = {name: get_method(name) for name in methods if name != FULL}
@@ -106,11 +134,15 @@ def bench_decode(model, tokenizer, methods: list[str], lengths: list[int], batch
                         step_seconds[name] += run.step_seconds
                     del runs
             seconds = {name: statistics.median(values) for name, values in step_seconds.items()}
+            operations = {name: operations_per_step(model, name, start(name, batch)) for name in methods} \
+                if steps >= 4 else {}
             for name in methods:
                 row = {"length": n_tokens, "batch": batch, "method": name,
                        "budget": "-" if name == FULL else str(budget),
                        "ms_per_step": round(1000 * seconds[name], 2),
                        "tokens_per_s": round(batch / seconds[name], 1), "kv_mib": round(held[name] / 2**20, 3)}
+                if name in operations:
+                    row["ops_per_step"] = operations[name]
                 if name in peak:
                     row["peak_mib"] = round(peak[name] / 2**20, 1)
                 if FULL in seconds:
