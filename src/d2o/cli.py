@@ -46,6 +46,7 @@ def generate(
     budget: Optional[str] = typer.Option(None, help=BUDGET_HELP + " \\[default: 0.2]"),
     min_tokens: Optional[int] = typer.Option(None, help=FLOOR_HELP),
     max_new_tokens: int = typer.Option(64, help="Tokens to generate."),
+    evict_every: int = typer.Option(1, help="Evict in batches: a layer runs up to k-1 tokens over its budget."),
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template."),
     sample: bool = typer.Option(False, "--sample", help="Sample instead of greedy decoding."),
     temperature: Optional[float] = typer.Option(None, help="With --sample: the softmax temperature \\[default: 1.0]."),
@@ -76,6 +77,8 @@ def generate(
     parsed_budget, options = parse_budgets([budget or "0.2"], min_tokens)[0], parse_options(option)
     if max_new_tokens < 1:
         raise D2OError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    if evict_every < 1:
+        raise D2OError(f"evict_every must be at least 1, got {evict_every}")
     given = [name for name, value in (("--temperature", temperature), ("--top-p", top_p), ("--top-k", top_k),
                                       ("--seed", seed)) if value is not None]
     if given and not sample:  # decoding would be greedy: the options would be silently ignored
@@ -96,7 +99,8 @@ def generate(
 
     chosen, parsed_budget = resolve(method or "d2o", parsed_budget, **options)  # before the model loads
     net, tokenizer = load(model, dtype=dtype, attention=attention)
-    result = run(net, tokenizer, text, chosen, parsed_budget, max_new_tokens=max_new_tokens, chat=chat, **sampling)
+    result = run(net, tokenizer, text, chosen, parsed_budget, max_new_tokens=max_new_tokens, chat=chat,
+                 evict_every=evict_every, **sampling)
     report = result.report
     if as_json:
         summary = report.as_dict()
@@ -277,6 +281,7 @@ def evaluate(
     task_option: list[str] = typer.Option([], "--task-option",
                                           help="A task option NAME=VALUE (repeatable; `d2o tasks` lists them)."),
     option: list[str] = typer.Option([], "--option", help="A method option METHOD.NAME=VALUE (repeatable)."),
+    evict_every: int = typer.Option(1, help="Evict in batches: a layer runs up to k-1 tokens over its budget."),
 ):
     """Evaluate methods x budgets on a task; writes samples.jsonl, summary.csv/.md and plots to OUT."""
     from d2o.eval.sweep import EvalConfig, check_config, run_eval
@@ -291,7 +296,7 @@ def evaluate(
     config = EvalConfig(
         task=task, model=model, methods=split_list(methods), budgets=split_list(budgets), limit=limit, seed=seed,
         out=str(out), shared_prefill=not separate_prefill, dtype=dtype, attention=attention, min_tokens=min_tokens,
-        protocol=protocol,
+        protocol=protocol, evict_every=evict_every,
         task_options=option_texts(task_option, "--task-option"), method_options=method_options,  # typed by the task
     )
     check_config(config)  # before torch loads
@@ -418,14 +423,16 @@ def bench_decode(
     min_tokens: Optional[int] = typer.Option(None, help=FLOOR_HELP),
     steps: int = typer.Option(32, help="Decode steps timed per run."),
     repeats: int = typer.Option(1, help="Runs of --steps steps; the median step of all is reported."),
+    evict_every: str = typer.Option("1", help="Comma-separated: evict in batches of k decode steps, each k a run."),
     model: str = MODEL, shape: Optional[str] = SHAPE, positions: Optional[int] = POSITIONS,
     dtype: str = DTYPE, device: Optional[str] = DEVICE, out: Path = OUT,
 ):
-    """ms per decode step, tokens/s and KV bytes of each method against the full cache, per context and batch."""
+    """ms per decode step, tokens/s, KV bytes and tensor operations per step of each method against
+    the full cache, per context and batch."""
     names, parsed, sizes = (distinct(split_list(methods), "methods"), parse_budgets([budget], min_tokens)[0],
                             split_list(lengths, int))
-    batches = split_list(batch, int)
-    at_least_one(lengths=sizes, batch=batches, steps=steps, repeats=repeats)
+    batches, every = split_list(batch, int), distinct(tuple(split_list(evict_every, int)), "evict-every values")
+    at_least_one(lengths=sizes, batch=batches, steps=steps, repeats=repeats, evict_every=every)
     check_device(device)
     check_shape(model, shape, positions)
     check_out(out)
@@ -435,9 +442,9 @@ def bench_decode(
     from d2o.bench.output import emit
 
     net, tokenizer = bench_model(model, shape, positions or max(sizes) + steps + 1, dtype, device, names, parsed)
-    rows = run(net, tokenizer, names, sizes, batches, parsed, steps, repeats)
+    rows = run(net, tokenizer, names, sizes, batches, parsed, steps, repeats, evict_every=every)
     setting = dict(model=shape or model, dtype=dtype, budget=str(parsed), min_tokens=parsed.min_tokens, steps=steps,
-                   repeats=repeats)
+                   repeats=repeats, evict_every=list(every))
     emit(rows, f"Decoding: {shape or model}, {dtype}, budget {parsed.described}, median step of {repeats} x {steps}",
          "decode", out, setting)
     plots.decode_plots(rows, out)

@@ -54,18 +54,24 @@ class _OperationCount(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def operations_per_step(model, name: str, run: Batch, steps: int = 3) -> int:
-    """The median count of tensor operations in one of ``run``'s decode steps (of the next ``steps``
-    after one untimed step: the first may allocate what the others reuse)."""
-    _step(model, name, run)
+def operations_per_step(model, name: str, run: Batch, evict_every: int = 1) -> int | None:
+    """The tensor operations of one of ``run``'s decode steps: the median over ``evict_every``
+    steps in a row, an eviction's among them (``evict_every`` 1: three steps), after the steps
+    that bring the cache to its steady width (the first may allocate what the others reuse); None
+    when ``run`` has too few steps left for that."""
+    for _ in range(evict_every):
+        _step(model, name, run)
+    steps = max(3, evict_every)
     counts = []
     for _ in range(steps):
         if not run.sequences:
             break
         with _OperationCount() as counter:
             _step(model, name, run)
+        if not run.sequences:  # it finished in that step, which then ran no forward pass
+            return None
         counts.append(counter.operations)
-    return int(statistics.median(counts))
+    return int(statistics.median(counts)) if len(counts) == steps else None
 
 
 def _decode_alone(model, name: str, run: Batch) -> Batch:
@@ -74,21 +80,23 @@ def _decode_alone(model, name: str, run: Batch) -> Batch:
     return run
 
 
-def _decode_in_turn(model, runs: dict[str, Batch]) -> None:
+def _decode_in_turn(model, runs: dict[tuple[str, int], Batch]) -> None:
     order = list(runs)
     while any(run.sequences for run in runs.values()):
-        for name in order:
-            if runs[name].sequences:
-                _step(model, name, runs[name])
+        for variant in order:
+            if runs[variant].sequences:
+                _step(model, variant[0], runs[variant])
         order.reverse()
 
 
 def bench_decode(model, tokenizer, methods: list[str], lengths: list[int], batches: list[int], budget,
-                 steps: int = 32, repeats: int = 1, alone: bool | None = None) -> list[dict]:
+                 steps: int = 32, repeats: int = 1, alone: bool | None = None,
+                 evict_every: tuple[int, ...] = (1,)) -> list[dict]:
     """Per (length, batch, method): ms per decode step, tokens/s, KV bytes, the tensor operations of
     one decode step (counted apart from the timed runs; with ``steps`` >= 4), and each against the
     full cache measured in the same run. ``alone``: each method decodes alone, its peak memory
-    measured (``peak_mib``; by default on a GPU), rather than in turn with the others."""
+    measured (``peak_mib``; by default on a GPU), rather than in turn with the others.
+    ``evict_every``: each compressed method runs once per value (``CompressedCache``'s)."""
     policies = {name: get_method(name) for name in methods if name != FULL}
     for name, policy in policies.items():
         policy.check_budget(budget)
@@ -109,44 +117,52 @@ def bench_decode(model, tokenizer, methods: list[str], lengths: list[int], batch
             shared = SharedPrefill(model, list(policies.values()))
             first = Batch.prefill(model, shared.cache, [ids], [Sequence(None, 1)])
         names = list(policies)
+        variants = [(name, k) for name in methods for k in ((1,) if name == FULL else evict_every)]
 
-        def start(name: str, batch: int) -> Batch:
+        def start(variant: tuple[str, int], batch: int) -> Batch:
+            name, k = variant
             if name == FULL:
                 with stock_attention(model):
                     return _start(model, copy.deepcopy(stock), stock_first, batch, steps)
-            return _start(model, shared.fork(names.index(name), budget), first, batch, steps)
+            return _start(model, shared.fork(names.index(name), budget, evict_every=k), first, batch, steps)
 
         for batch in batches:
-            step_seconds, held, peak = {name: [] for name in methods}, {}, {}
+            step_seconds, held, peak = {variant: [] for variant in variants}, {}, {}
             for _ in range(repeats):
                 if alone:
-                    for name in methods:  # no other method's batch is held while this one runs
-                        run, most = measure_peak(lambda: _decode_alone(model, name, start(name, batch)), device)
-                        peak[name] = max(peak.get(name, 0), most)
-                        held[name] = cache_bytes(run.cache)
-                        step_seconds[name] += run.step_seconds
+                    for variant in variants:  # no other method's batch is held while this one runs
+                        run, most = measure_peak(lambda: _decode_alone(model, variant[0], start(variant, batch)),
+                                                 device)
+                        peak[variant] = max(peak.get(variant, 0), most)
+                        held[variant] = cache_bytes(run.cache)
+                        step_seconds[variant] += run.step_seconds
                         del run  # freed before the next method's run is measured
                 else:
-                    runs = {name: start(name, batch) for name in methods}
+                    runs = {variant: start(variant, batch) for variant in variants}
                     _decode_in_turn(model, runs)
-                    for name, run in runs.items():
-                        held[name] = cache_bytes(run.cache)
-                        step_seconds[name] += run.step_seconds
+                    for variant, run in runs.items():
+                        held[variant] = cache_bytes(run.cache)
+                        step_seconds[variant] += run.step_seconds
                     del runs
-            seconds = {name: statistics.median(values) for name, values in step_seconds.items()}
-            operations = {name: operations_per_step(model, name, start(name, batch)) for name in methods} \
-                if steps >= 4 else {}
-            for name in methods:
+            seconds = {variant: statistics.median(values) for variant, values in step_seconds.items()}
+            operations = {variant: operations_per_step(model, variant[0], start(variant, batch), variant[1])
+                          for variant in variants}
+            full = (FULL, 1)
+            for variant in variants:
+                name, k = variant
                 row = {"length": n_tokens, "batch": batch, "method": name,
-                       "budget": "-" if name == FULL else str(budget),
-                       "ms_per_step": round(1000 * seconds[name], 2),
-                       "tokens_per_s": round(batch / seconds[name], 1), "kv_mib": round(held[name] / 2**20, 3)}
-                if name in operations:
-                    row["ops_per_step"] = operations[name]
-                if name in peak:
-                    row["peak_mib"] = round(peak[name] / 2**20, 1)
-                if FULL in seconds:
-                    row["time_vs_full"] = round(seconds[name] / seconds[FULL], 3)
-                    row["kv_vs_full"] = round(held[name] / held[FULL], 3)
+                       "budget": "-" if name == FULL else str(budget)}
+                if len(evict_every) > 1 or evict_every != (1,):
+                    row["evict_every"] = "-" if name == FULL else k
+                row |= {"ms_per_step": round(1000 * seconds[variant], 2),
+                        "tokens_per_s": round(batch / seconds[variant], 1),
+                        "kv_mib": round(held[variant] / 2**20, 3)}
+                if operations[variant] is not None:
+                    row["ops_per_step"] = operations[variant]
+                if variant in peak:
+                    row["peak_mib"] = round(peak[variant] / 2**20, 1)
+                if full in seconds:
+                    row["time_vs_full"] = round(seconds[variant] / seconds[full], 3)
+                    row["kv_vs_full"] = round(held[variant] / held[full], 3)
                 rows.append(row)
     return rows

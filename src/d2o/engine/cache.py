@@ -24,6 +24,7 @@ from d2o.engine.selection import evicted_slots, select_kept, select_victim
 from d2o.engine.stats import token_surprisal
 from d2o.engine.storage import CompressedLayer
 from d2o.errors import D2OError
+from d2o.options import whole
 
 
 class _Newest:
@@ -83,21 +84,26 @@ class CompressedCache(Cache):
     """
 
     def __init__(self, model, policy: Policy, budget: Budget | str | float = 0.2, observe: bool | None = None,
-                 tokenizer=None):
+                 tokenizer=None, evict_every: int = 1):
         """``observe``: compute the policy's statistics even under a budget that never evicts (a
         prefill that forks will share); by default only when something can be evicted, so that a
         budget of 1 runs the stock kernels alone. ``tokenizer``: the model's, for a method that
         writes text of its own into a probe (KVzip's "Repeat the previous context"); by default the
-        one saved with the model (``config.name_or_path``)."""
+        one saved with the model (``config.name_or_path``). ``evict_every``: during decoding, a layer
+        runs up to ``evict_every - 1`` tokens over its budget and is brought back to it, in one
+        pass, when a row reaches budget + ``evict_every`` (1: at every step)."""
         if isinstance(policy, str):
             raise D2OError(f"CompressedCache takes a method object, not the name {policy!r}: "
                            f"d2o.get_method({policy!r}) builds one")
         # A weak reference: a cache must not keep its model alive, nor be deep-copied with it.
         self._decoder = weakref.ref(model.get_decoder())
         self._tokenizer = tokenizer
-        self._setup(model.config.get_text_config(), policy, budget, observe)
+        self._setup(model.config.get_text_config(), policy, budget, observe, evict_every)
 
-    def _setup(self, config, policy: Policy, budget, observe: bool | None = None) -> None:
+    def _setup(self, config, policy: Policy, budget, observe: bool | None = None, evict_every: int = 1) -> None:
+        if not whole(evict_every) or evict_every < 1:
+            raise D2OError(f"evict_every={evict_every!r} must be a whole number of steps >= 1")
+        self.evict_every = evict_every
         self.config = config
         self.policy = policy
         self.budget = policy.budget_for(Budget.parse(budget))
@@ -121,7 +127,8 @@ class CompressedCache(Cache):
         self.probed = False  # the policy's probe passes ran (they run once, before the first compression)
         self._prompt: list[tuple[torch.Tensor, torch.Tensor]] = []  # (ids, real) of each pass before it
 
-    def fork(self, policy: Policy, budget, slot_prefix: str = "", state_of=None) -> CompressedCache:
+    def fork(self, policy: Policy, budget, slot_prefix: str = "", state_of=None,
+             evict_every: int = 1) -> CompressedCache:
         """A cache for ``policy`` at ``budget`` continuing from this one's tokens, compressed now if
         it is time. Key/value tensors are shared (compression writes new tensors, never into old
         ones); the slot state under ``slot_prefix`` becomes the new cache's own (copied, since
@@ -134,7 +141,7 @@ class CompressedCache(Cache):
                            f"{self.budget}")
         new = CompressedCache.__new__(CompressedCache)
         new._decoder, new._tokenizer = self._decoder, self._tokenizer
-        new._setup(self.config, policy, budget)
+        new._setup(self.config, policy, budget, evict_every=evict_every)
         new.probed = self.probed  # a policy combining the methods ran each one's probe into its slot state
         if new.kv_repeats != self.kv_repeats:
             raise D2OError(f"{policy.name} stores KV heads differently: it cannot share another method's prefill")
@@ -359,6 +366,7 @@ class CompressedCache(Cache):
             kept = torch.stack([layer.n_kept for layer in windowed])  # (L, B)
             windows = torch.tensor([layer.window - 1 for layer in windowed], device=kept.device)
             self._shrink_layers(windowed, kept, torch.minimum(kept, windows[:, None]), NEWEST)
+        decoding = self.allocated
         if not self.allocated:
             if self.forwards < self.policy.compress_after_forward:
                 return
@@ -374,7 +382,13 @@ class CompressedCache(Cache):
         limit = self._limit(torch.stack([layer.budget for layer in layers]),
                             torch.stack([layer.real_seen for layer in layers]))
         target = torch.where(limit == UNLIMITED, kept, torch.minimum(limit, kept))
-        self._shrink_layers(layers, kept, target, self.policy)
+        batched = decoding and self.evict_every > 1
+        if batched:  # a row is brought back to its budgets when one of its layers reaches budget + evict_every
+            due = (kept - target).amax(0) >= self.evict_every
+            if not bool(due.any()):
+                return
+            target = torch.where(due, target, kept)
+        self._shrink_layers(layers, kept, target, self.policy, in_place=batched)
 
     def _allocate(self) -> None:
         prompt = self.layers[0].real_seen
@@ -410,7 +424,8 @@ class CompressedCache(Cache):
         floor = layer.real_seen.clamp_max(self.budget.min_tokens)
         return (layer.budget != UNLIMITED) & (layer.budget <= floor)
 
-    def _shrink_layers(self, layers: list[CompressedLayer], kept: torch.Tensor, target: torch.Tensor, chooser) -> None:
+    def _shrink_layers(self, layers: list[CompressedLayer], kept: torch.Tensor, target: torch.Tensor, chooser,
+                       in_place: bool = False) -> None:
         """Bring each of ``layers`` from ``kept`` to ``target`` tokens per row ((L, B) each), keeping
         what ``chooser`` (the policy, or the window's rule) scores and protects; its merge, if it has
         one, folds what left into what stayed. The layers of a decode step (one token each per row and
@@ -424,7 +439,7 @@ class CompressedCache(Cache):
                                                                      fewest):
             if n_most <= 0:
                 continue
-            evicted = self._shrink(layer, row_target, row_excess, n_most, n_fewest, chooser)
+            evicted = self._shrink(layer, row_target, row_excess, n_most, n_fewest, chooser, in_place)
             if evicted is None:
                 continue
             if n_most == 1:
@@ -437,13 +452,15 @@ class CompressedCache(Cache):
                 layer.merged += merged
 
     def _shrink(self, layer: CompressedLayer, target: torch.Tensor, excess: torch.Tensor, most: int, fewest: int,
-                chooser) -> Evicted | None:
+                chooser, in_place: bool = False) -> Evicted | None:
         """Bring ``layer`` down to ``target`` (B,) tokens per row, ``excess`` (B,) fewer than it holds
         (``most`` and ``fewest`` of them); return what left (copies) when the chooser's merge is to
         fold it in, else None.
 
         A decode step evicts at most one token per row and KV head: its slot is only marked empty,
-        nothing is copied. A larger eviction gathers the kept slots into new tensors."""
+        nothing is copied. A larger eviction gathers the kept slots into new tensors, but one of
+        decoding in batches of steps (``in_place``), whose evicted slots are marked empty for the
+        next tokens to be written into."""
         scores, protected = chooser.score(layer), chooser.protected(layer, target)
         if scores.dtype != torch.float32:
             scores = scores.float()
@@ -457,10 +474,15 @@ class CompressedCache(Cache):
             layer.drop(victim, rows)
         else:
             keep, keep_valid = select_kept(scores, protected, layer.token_index, target)
+            in_place = in_place and layer.owns_storage
+            if merge is not None or in_place:
+                slots, valid = evicted_slots(layer.valid, keep, keep_valid, target)
             if merge is not None:
-                evicted = layer.evicted(*evicted_slots(layer.valid, keep, keep_valid, target), merge.reads,
-                                        merge.vectors)
-            layer.keep(keep, keep_valid)
+                evicted = layer.evicted(slots, valid, merge.reads, merge.vectors)
+            if in_place:
+                layer.drop_many(slots, valid)
+            else:
+                layer.keep(keep, keep_valid)
         return evicted
 
     # -- inspection ---------------------------------------------------------------------------

@@ -439,6 +439,13 @@ class CompressedLayer(CacheLayerMixin):
         else:
             self.token_index.view(-1).index_fill_(0, flat[rows[:, None].expand(slots.shape[:2]).flatten()], -1)
 
+    def drop_many(self, slots: torch.Tensor, valid: torch.Tensor) -> None:
+        """Empty the slots ``slots`` (B, G, E) where ``valid`` (B, E), in place: the next tokens are
+        written there (eviction in batches of decode steps)."""
+        index = self.token_index
+        index.scatter_(2, slots, torch.where(valid[:, None, :], -1, index.gather(2, slots)))
+        self.holes = None
+
     def keep(self, keep: torch.Tensor, keep_valid: torch.Tensor) -> None:
         """Shrink to the slots ``keep`` (B, G, K), gathered into new tensors; ``keep_valid`` (B, K)
         marks the real ones (rows of a batch with smaller budgets have an empty tail)."""

@@ -38,13 +38,17 @@ class EvalConfig:
     min_tokens: int | None = None  # the floor under ratio budgets (None: the library's default)
     task_options: dict = field(default_factory=dict)
     method_options: dict = field(default_factory=dict)  # {method: {option: value}}
+    evict_every: int = 1  # evict in batches of decode steps (CompressedCache's)
 
     def identity(self, task: Task) -> dict:
         """What must match for a rerun to resume into the same folder (methods, budgets and the
         limit may grow)."""
-        return {"task": self.task, "task_settings": task.settings(), "model": self.model, "seed": self.seed,
-                "dtype": self.dtype, "attention": self.attention, "method_options": self.method_options,
-                "min_tokens": MIN_TOKENS if self.min_tokens is None else self.min_tokens, "protocol": self.protocol}
+        identity = {"task": self.task, "task_settings": task.settings(), "model": self.model, "seed": self.seed,
+                    "dtype": self.dtype, "attention": self.attention, "method_options": self.method_options,
+                    "min_tokens": MIN_TOKENS if self.min_tokens is None else self.min_tokens, "protocol": self.protocol}
+        if self.evict_every != 1:  # (folders of eviction at every step record none)
+            identity["evict_every"] = self.evict_every
+        return identity
 
 
 def check_config(config: EvalConfig) -> tuple[Task, list[Budget]]:
@@ -54,6 +58,8 @@ def check_config(config: EvalConfig) -> tuple[Task, list[Budget]]:
     task.check_protocol(config.protocol)
     if config.limit is not None and config.limit < 1:
         raise D2OError(f"limit must be at least 1, got {config.limit}")
+    if config.evict_every < 1:
+        raise D2OError(f"evict_every must be at least 1, got {config.evict_every}")
     for what, names in (("methods", config.methods), ("budgets", config.budgets)):
         if not names:
             raise D2OError(f"no {what} given")
@@ -105,7 +111,7 @@ def run_eval(config: EvalConfig, progress: bool = True) -> list[dict]:
         except D2OError as error:
             raise D2OError(f"sample {sample.id}: {error}") from None
     record_config(out, config, task)  # only once every sample is known to run
-    runner = Runner(model, tokenizer, methods, config.shared_prefill)
+    runner = Runner(model, tokenizer, methods, config.shared_prefill, config.evict_every)
     runs = runs_of(methods, budgets)
     done = store.keys()
     bar = tqdm(total=len(samples), desc=task.name, disable=not progress, unit="sample")

@@ -62,6 +62,7 @@ def generate(
     seed: int | None = None,
     stop: tuple[str, ...] = (),
     min_tokens: int | None = None,
+    evict_every: int = 1,
     **method_options,
 ) -> Generation:
     """Answer ``prompts`` (one string or a batch) with ``method`` holding the cache to ``budget``.
@@ -71,6 +72,7 @@ def generate(
     from ``seed``). An answer ends at the model's end-of-sequence token, at a ``stop`` string, or
     after ``max_new_tokens``.
     ``min_tokens``: the floor under a ratio budget (``d2o.budget.MIN_TOKENS`` by default).
+    ``evict_every``: evict in batches of that many decode steps (``CompressedCache``).
     """
     method, budget = resolve(method, budget, min_tokens, **method_options)
     sampling = Sampling(temperature, top_p, seed, top_k)
@@ -79,7 +81,7 @@ def generate(
     check_length(model, max(len(row) for row in rows), max_new_tokens)
     stops = stop_token_ids(model, tokenizer)
     sequences = [Sequence(tokenizer, max_new_tokens, sampling, stops, stop) for _ in rows]
-    cache = CompressedCache(model, method, budget, tokenizer=tokenizer)
+    cache = CompressedCache(model, method, budget, tokenizer=tokenizer, evict_every=evict_every)
     Batch.prefill(model, cache, rows, sequences).run()
     return Generation(
         texts=[s.text for s in sequences],

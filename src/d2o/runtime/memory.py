@@ -58,9 +58,10 @@ def slot_bytes(config, dtype_bytes: int, method: Method, stock: bool = False) ->
 
 
 def plan(config, method: Method, budget: Budget, prompt_tokens: int, new_tokens: int, dtype_bytes: int = 4,
-         stock: bool = False) -> KVPlan:
+         stock: bool = False, evict_every: int = 1) -> KVPlan:
     """The KV bytes of one sequence of ``prompt_tokens`` + ``new_tokens`` under ``method`` at ``budget``
-    (``stock``: in transformers' own cache, which holds K and V alone: the full cache only)."""
+    (``stock``: in transformers' own cache, which holds K and V alone: the full cache only;
+    ``evict_every``: the cache's, whose layers run that many slots over their budget at most)."""
     windows = sliding_windows(config.get_text_config())
     per_slot = slot_bytes(config, dtype_bytes, method, stock)
     length = prompt_tokens + new_tokens
@@ -72,9 +73,9 @@ def plan(config, method: Method, budget: Budget, prompt_tokens: int, new_tokens:
     else:
         share = budget.total(len(compressible), prompt_tokens) - exempt * prompt_tokens  # the active layers'
         if method.evicts_during_decode:
-            # At its budget, or growing to the floor; plus the slot each step writes before it evicts,
-            # which a row that never outgrows its budget (every token fits) never needs.
-            held = min(max(share, active * budget.floor(length)) + active, active * length)
+            # At its budget, or growing to the floor; plus the slots written before an eviction (one
+            # per step, or evict_every), which a row that never outgrows its budget never needs.
+            held = min(max(share, active * budget.floor(length)) + active * evict_every, active * length)
         else:
             held = share + active * new_tokens
         held += exempt * length
@@ -88,8 +89,8 @@ def peak_slots(cache, new_tokens: int) -> torch.Tensor:
     """(B, L): the most slots each row of ``cache`` (a ``CompressedCache`` after its prefill)
     occupies in each layer while it is fed up to ``new_tokens`` more tokens.
 
-    A layer that evicts stays at its budget (raised to the floor as the row grows) plus the slot
-    a new token is written into before the eviction; a layer compressed once grows by every new
+    A layer that evicts stays at its budget (raised to the floor as the row grows) plus the slots
+    new tokens are written into before an eviction (``cache.evict_every``); a layer compressed once grows by every new
     token; an uncompressed layer holds every token."""
     policy, budget = cache.policy, cache.budget
     peaks = []
@@ -104,7 +105,7 @@ def peak_slots(cache, new_tokens: int) -> torch.Tensor:
         else:
             floor = final.clamp_max(budget.min_tokens) if budget.ratio is not None else torch.zeros_like(final)
             limit = torch.maximum(layer.budget, floor)
-            peak = torch.where(layer.budget == UNLIMITED, final, torch.minimum(final, limit + 1))
+            peak = torch.where(layer.budget == UNLIMITED, final, torch.minimum(final, limit + cache.evict_every))
         peaks.append(peak.cpu())
     return torch.stack(peaks, dim=1)
 

@@ -1,0 +1,69 @@
+"""Eviction in batches of decode steps (``CompressedCache(evict_every=k)``): a layer runs up to
+k - 1 tokens over its budget, then one pass brings it back, in place."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import byte_tokenizer, make_cache, random_ids, tiny_model
+
+import d2o
+from d2o.runtime.memory import peak_slots, plan
+
+
+def decode(model, cache, prompt: int, steps: int, seed: int = 1):
+    """Greedy decode; yields the cache after every step."""
+    with torch.inference_mode():
+        logits = model(input_ids=random_ids(prompt, seed=seed), cache=cache).logits
+        for _ in range(steps):
+            logits = model(input_ids=logits[:, -1:].argmax(-1), cache=cache).logits
+            yield cache
+
+
+@pytest.mark.parametrize("method", ["h2o", "d2o", "d2o-plus", "d2o-novelty", "streamingllm"])
+def test_a_layer_runs_over_its_budget_by_less_than_k_and_is_evicted_in_place(method):
+    model, k = tiny_model("qwen2"), 4
+    cache = make_cache(model, method, 0.25)
+    cache.evict_every = k
+    over, storage = [], []
+    for state in decode(model, cache, 100, 3 * k + 2):
+        layers = [layer for layer in state.layers if layer.budget is not None]
+        over.append([int(layer.n_kept[0] - layer.budget[0]) for layer in layers])
+        storage.append([layer.keys for layer in layers])
+    # Every layer: 1, 2, 3 over, then back to its budget exactly at the k-th step, again and again.
+    assert [set(row) for row in over] == [{(step + 1) % k} for step in range(len(over))]
+    # Once as wide as budget + k, no step copies a layer's keys: evicted slots are written into.
+    for before, after in zip(storage[k:], storage[k + 1:]):
+        assert all(a is b for a, b in zip(before, after))
+
+
+def test_the_memory_plan_counts_the_k_slack_slots_and_is_tight():
+    model, k = tiny_model("llama"), 8
+    method, budget = d2o.get_method("d2o"), d2o.Budget(ratio=0.3, min_tokens=0)
+    cache = d2o.CompressedCache(model, method, budget, evict_every=k)
+    most, peaks = 0, None
+    for state in decode(model, cache, 120, 30):
+        if peaks is None:
+            peaks = peak_slots(state, 30)
+        most = max(most, state.nbytes)
+    need = plan(model.config, method, budget, 120, 31, dtype_bytes=4, evict_every=k)
+    assert most == need.held_bytes  # budget + k slots in every layer, the slack filled before each eviction
+    assert plan(model.config, method, budget, 120, 31, dtype_bytes=4).held_bytes < most
+    widths = torch.tensor([layer.keys.shape[2] for layer in cache.layers])
+    assert torch.equal(peaks[0], widths)
+
+
+def test_rows_of_a_batch_evict_on_their_own_steps_and_answer_as_alone():
+    model, tokenizer = tiny_model("mistral"), byte_tokenizer()
+    prompts = ["The quick brown fox jumps over the lazy dog. " * 4, "A short prompt, then more words. " * 7]
+    together = d2o.generate(model, tokenizer, prompts, "d2o", d2o.Budget(ratio=0.3, min_tokens=0),
+                            max_new_tokens=20, evict_every=4)
+    alone = [d2o.generate(model, tokenizer, p, "d2o", d2o.Budget(ratio=0.3, min_tokens=0), max_new_tokens=20,
+                          evict_every=4).new_tokens[0] for p in prompts]
+    assert together.new_tokens == alone
+    assert sum(layer.merged[0] for layer in together.report.layers) > 0  # D2O merged what it evicted in batches
+
+
+def test_a_bad_evict_every_is_refused():
+    with pytest.raises(d2o.D2OError, match="evict_every=0 must be a whole number of steps >= 1"):
+        d2o.CompressedCache(tiny_model(), d2o.get_method("h2o"), 0.2, evict_every=0)
