@@ -8,6 +8,7 @@ from test_serve import client, essay, scrape, serving
 from d2o.errors import D2OError
 from d2o.options import parse_bytes
 from d2o.runtime.context import compress, conversation_ids
+from d2o.runtime.generation import generate
 from d2o.serve.config import ServeConfig
 
 pytestmark = pytest.mark.real_model
@@ -83,3 +84,17 @@ def test_without_a_prefix_cache_nothing_is_kept_and_short_turns_are_never_kept(r
 def test_the_prefix_memory_must_leave_room_for_requests():
     with pytest.raises(D2OError, match="--prefix-cache-memory .* is part of --kv-memory"):
         ServeConfig(kv_memory=1000, prefix_cache_memory=1000).check()
+
+
+def test_a_server_evicting_in_batches_of_steps_answers_as_the_library_does(real_model):
+    model, tokenizer = real_model
+    prompt = essay(tokenizer, 400)
+    with serving(model, tokenizer, kv_memory=parse_bytes("128MB"), evict_every=8) as (url, engine):
+        reply = client(url).completions.create(model="smollm2", prompt=prompt, max_tokens=12, temperature=0,
+                                               extra_body={"kv_method": "d2o", "kv_budget": 0.2})
+        expected = generate(model, tokenizer, prompt, "d2o", 0.2, max_new_tokens=12, evict_every=8)
+        assert reply.choices[0].text == expected.texts[0]
+        assert reply.usage.kv_tokens == expected.report.kv_tokens_kept
+        assert engine.evict_every == 8
+    with pytest.raises(D2OError, match="evict_every must be at least 1"):
+        ServeConfig(evict_every=0).check()

@@ -203,6 +203,7 @@ def serve(
     prefix_cache_memory: str = typer.Option(
         "0", help="Of --kv-memory, the bytes kept for compressed prefixes (a chat's earlier turns, a shared "
                   "document), reused by the requests that begin with them; 0: none."),
+    evict_every: int = typer.Option(1, help="Evict in batches: a layer runs up to k-1 tokens over its budget."),
 ):
     """An OpenAI-compatible server: continuous batching, admission by KV memory (see docs/guides/serving.md)."""
     from d2o.serve.config import ServeConfig
@@ -210,7 +211,7 @@ def serve(
     config = ServeConfig(model=model, method=method, budget=budget, min_tokens=min_tokens,
                          kv_memory=parse_bytes(kv_memory), max_queue=max_queue, max_tokens=max_tokens, dtype=dtype,
                          attention=attention, device_map=device_map,
-                         prefix_cache_memory=memory_or_none(prefix_cache_memory))
+                         prefix_cache_memory=memory_or_none(prefix_cache_memory), evict_every=evict_every)
     if replicas < 0:
         raise D2OError(f"replicas must be >= 0, got {replicas}")
     config.check()  # before the model loads

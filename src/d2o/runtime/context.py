@@ -183,7 +183,7 @@ class CompressedContext:
             "floor_given": self.budget.floor_given, "chat": self.chat, "conversation": self.conversation,
             "ids": self.ids,
             "layers": layers, "forwards": self.cache.forwards, "allocated": self.cache.allocated,
-            "probed": self.cache.probed,
+            "probed": self.cache.probed, "evict_every": self.cache.evict_every,
         }
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -196,12 +196,13 @@ class CompressedContext:
 
 def compress(model, tokenizer, context: str | list[dict], method: str | Method = DEFAULT_METHOD,
              budget: Budget | str | float = 0.2, *, chat: bool = False, min_tokens: int | None = None,
-             **method_options) -> CompressedContext:
+             evict_every: int = 1, **method_options) -> CompressedContext:
     """Prefill ``context`` and compress it to ``budget`` with ``method``, with no question in sight.
 
     ``context``: a text, or (``chat=True``) a conversation (a list of messages; a text is one user
     turn) in the model's chat template, without the assistant's prompt: the questions add it.
     Returns a ``CompressedContext``; ``ask`` it any number of questions, ``save`` it to a file.
+    ``evict_every``: its answers evict in batches of that many steps (``CompressedCache``).
     """
     name = method if isinstance(method, str) else method.name
     method, budget = resolve(method, budget, min_tokens, **method_options)
@@ -212,16 +213,17 @@ def compress(model, tokenizer, context: str | list[dict], method: str | Method =
         conversation = None
         ids = encode(tokenizer, [context])[0]
     return compress_ids(model, tokenizer, ids, method, budget, name=name, options=dict(method_options),
-                        conversation=conversation)
+                        conversation=conversation, evict_every=evict_every)
 
 
 def compress_ids(model, tokenizer, ids: list[int], method: Method, budget: Budget, *, name: str | None = None,
-                 options: dict | None = None, conversation: list[dict] | None = None) -> CompressedContext:
+                 options: dict | None = None, conversation: list[dict] | None = None,
+                 evict_every: int = 1) -> CompressedContext:
     """``compress`` of token ids, with a method object and a parsed budget (checked against each
     other: ``resolve``); ``conversation``: the messages ``ids`` are, if they are a conversation."""
     check_asks_later(method)
     check_length(model, len(ids) + 1)
-    cache = CompressedCache(model, method, budget, tokenizer=tokenizer)
+    cache = CompressedCache(model, method, budget, tokenizer=tokenizer, evict_every=evict_every)
     stops = stop_token_ids(model, tokenizer)
     batch = Batch.prefill(model, cache, [ids], [Sequence(tokenizer, 1, stop_ids=stops)])
     return CompressedContext(model, tokenizer, method, name or method.name, options or {}, list(ids),
@@ -297,7 +299,7 @@ def load_context(path: str | Path, model, tokenizer=None) -> CompressedContext:
     method = get_method(meta["method"], **meta["options"])
     budget = Budget(ratio=meta["ratio"], tokens=meta["tokens"], min_tokens=meta["min_tokens"],
                     floor_given=meta["floor_given"])
-    cache = CompressedCache(model, method, budget, tokenizer=tokenizer)
+    cache = CompressedCache(model, method, budget, tokenizer=tokenizer, evict_every=meta["evict_every"])
     _restore_cache(cache, tensors, meta)
     if tokenizer is None:
         tokenizer = cache.tokenizer

@@ -24,6 +24,7 @@ class ServeConfig:
     attention: str = "sdpa"
     device_map: str | None = None
     prefix_cache_memory: int = 0  # bytes of --kv-memory for compressed prefixes (0: no prefix cache)
+    evict_every: int = 1  # evict in batches of decode steps (CompressedCache's)
 
     def check(self):
         """Refuse bad options before anything heavy loads (the method and budget too); returns the
@@ -33,6 +34,8 @@ class ServeConfig:
             raise D2OError(f"max_queue must be >= 0, got {self.max_queue}")
         if self.max_tokens < 1:
             raise D2OError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.evict_every < 1:
+            raise D2OError(f"evict_every must be at least 1, got {self.evict_every}")
         if not 0 <= self.prefix_cache_memory < self.kv_memory:
             raise D2OError(f"--prefix-cache-memory ({self.prefix_cache_memory:,} bytes) is part of --kv-memory "
                            f"({self.kv_memory:,}): it must be >= 0 and leave room for the requests")

@@ -50,7 +50,8 @@ class Engine:
         self.cap = config.kv_memory
         self.stops = stop_token_ids(model, tokenizer)
         self.dtype_bytes = next(model.parameters()).element_size()
-        smallest = plan(model.config, method, budget, 1, 1, self.dtype_bytes).peak_bytes
+        self.evict_every = config.evict_every
+        smallest = plan(model.config, method, budget, 1, 1, self.dtype_bytes, evict_every=self.evict_every).peak_bytes
         if smallest > self.cap:  # every request would be refused
             raise D2OError(f"--kv-memory of {self.cap:,} bytes holds not one request (a 1-token prompt and 1 new "
                            f"token need {smallest:,} bytes under {config.method})")
@@ -100,7 +101,8 @@ class Engine:
             prompt_fits = limit is None or len(ids) < limit
             param = "max_tokens" if prompt_fits else "messages" if chat else "prompt"  # the part to shorten
             raise APIError(400, str(error), param, "context_length_exceeded") from None
-        kv_plan = plan(self.model.config, method, budget, len(ids), max_tokens, self.dtype_bytes)
+        kv_plan = plan(self.model.config, method, budget, len(ids), max_tokens, self.dtype_bytes,
+                       evict_every=self.evict_every)
         if kv_plan.peak_bytes > self.cap:
             # The prefill holds every prompt token before compressing: there, only a shorter prompt helps.
             remedy = ("a shorter prompt (the prefill holds every prompt token before the cache is compressed)"
@@ -220,7 +222,8 @@ class Engine:
         try:
             batch = self._from_prefix(job) if self.prefixes is not None else None
             if batch is None:
-                batch = Batch.prefill(self.model, CompressedCache(self.model, job.method, job.budget), [job.ids],
+                cache = CompressedCache(self.model, job.method, job.budget, evict_every=self.evict_every)
+                batch = Batch.prefill(self.model, cache, [job.ids],
                                       [job.sequence])
             job.peaks = peak_slots(batch.cache, job.sequence.max_new_tokens)[0]
         except D2OError as error:  # e.g. a ratio too small for a short prompt without a floor
@@ -256,7 +259,8 @@ class Engine:
         found = self.prefixes.longest(key, job.ids, limit)
         context = found
         if job.boundary is not None and (found is None or len(found.ids) < job.boundary):
-            context = (compress_ids(self.model, self.tokenizer, job.ids[: job.boundary], job.method, job.budget)
+            context = (compress_ids(self.model, self.tokenizer, job.ids[: job.boundary], job.method, job.budget,
+                                    evict_every=self.evict_every)
                        if found is None else found.extend_ids(job.ids[len(found.ids): job.boundary]))
             with self._lock:
                 self.prefixes.add(key, context, self.cap - self._reserved(self._admitted))
@@ -387,7 +391,8 @@ class Engine:
         for key, (count, prompt_tokens, max_tokens) in shapes.items():
             method, budget = self._methods[key]
             shape = (max(1, round(prompt_tokens / count)), max(1, round(max_tokens / count)), self.dtype_bytes)
-            mine[labels(key)] = fit(self.cap, plan(self.model.config, method, budget, *shape))
+            mine[labels(key)] = fit(self.cap, plan(self.model.config, method, budget, *shape,
+                                                   evict_every=self.evict_every))
             full[labels(key)] = fit(self.cap, plan(self.model.config, get_method("full"), Budget.parse(1.0), *shape))
         return mine, full
 
