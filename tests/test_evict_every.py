@@ -67,3 +67,16 @@ def test_rows_of_a_batch_evict_on_their_own_steps_and_answer_as_alone():
 def test_a_bad_evict_every_is_refused():
     with pytest.raises(d2o.D2OError, match="evict_every=0 must be a whole number of steps >= 1"):
         d2o.CompressedCache(tiny_model(), d2o.get_method("h2o"), 0.2, evict_every=0)
+
+
+def test_fit_packs_rows_that_evict_in_batches_under_the_cap_with_their_slack():
+    from d2o.bench.fit import bench_fit
+    from d2o.bench.models import random_model
+
+    tiny = random_model("tiny", positions=512)
+    prompt, generate, budget = 96, 24, d2o.Budget(ratio=0.2, min_tokens=8)
+    cap = 4 * plan(tiny.config, d2o.get_method("full"), d2o.Budget(ratio=1.0), prompt, generate).held_bytes
+    rows = {k: bench_fit(tiny, None, cap, prompt, generate, ["h2o"], budget, 4, evict_every=k)[0] for k in (1, 8)}
+    for row in rows.values():
+        assert row["peak_kv_mib"] <= row["planned_kv_mib"] <= round(cap / 2**20, 1)
+    assert rows[8]["batch"] < rows[1]["batch"]  # eight slack slots a layer take room a row would have

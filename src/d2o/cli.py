@@ -460,6 +460,7 @@ def bench_fit(
     budget: str = typer.Option("0.2", help=BUDGET_HELP),
     max_batch: int = typer.Option(FIT_MAX_BATCH, help="No batch grows past this many rows, whatever the cap holds."),
     min_tokens: Optional[int] = typer.Option(None, help=FLOOR_HELP),
+    evict_every: int = typer.Option(1, help="Evict in batches: a layer runs up to k-1 tokens over its budget."),
     model: str = MODEL, shape: Optional[str] = SHAPE, positions: Optional[int] = POSITIONS,
     dtype: str = DTYPE, device: Optional[str] = DEVICE, out: Path = OUT,
 ):
@@ -467,7 +468,7 @@ def bench_fit(
 
     cap, names, parsed = (parse_bytes(kv_memory), distinct(split_list(methods), "methods"),
                           parse_budgets([budget], min_tokens)[0])
-    at_least_one(prompt=prompt, max_batch=max_batch)
+    at_least_one(prompt=prompt, max_batch=max_batch, evict_every=evict_every)
     check_fit_generate(generate)
     check_device(device)
     check_shape(model, shape, positions)
@@ -478,7 +479,8 @@ def bench_fit(
     from d2o.bench.output import emit
 
     net, tokenizer = bench_model(model, shape, positions or prompt + generate + 1, dtype, device, names, parsed)
-    rows = run(net, tokenizer, cap, prompt, generate, names, parsed, next(net.parameters()).element_size(), max_batch)
+    rows = run(net, tokenizer, cap, prompt, generate, names, parsed, next(net.parameters()).element_size(), max_batch,
+               evict_every)
     stopped = [row["method"] for row in rows if row["batch"] == max_batch]
     if stopped:  # not the cap's measure: said, so that the ratios are not read as the cap's
         typer.echo(f"{', '.join(stopped)}: the batch reached --max-batch {max_batch} rows before the KV cap "

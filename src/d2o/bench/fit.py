@@ -71,7 +71,7 @@ def _run_full(model, need, cap: int, max_batch: int, prompt_of, generate: int) -
 
 
 def _run_packed(model, method, budget, need, cap: int, max_batch: int, per_slot: list[int], prompt_of,
-                generate: int) -> Run:
+                generate: int, evict_every: int = 1) -> Run:
     """A compressed cache: rows prefilled alone, compressed and joined while they fit (see above), at
     most ``max_batch`` of them."""
     decoding, peaks, planned, most, prefill_seconds = None, None, 0, 0, 0.0
@@ -79,7 +79,7 @@ def _run_packed(model, method, budget, need, cap: int, max_batch: int, per_slot:
         held = decoding.cache.nbytes if decoding else 0  # the rows wait, not decoding, while the next is prefilled
         if held + need.prefill_bytes > cap:
             break
-        cache = CompressedCache(model, method, budget)
+        cache = CompressedCache(model, method, budget, evict_every=evict_every)
         start = perf_counter()
         one, whole = _prefill_measured(model, cache, prompt_of(decoding.size if decoding else 0), generate)
         seconds = seconds_since(start, cache.layers[0].keys.device)  # its compression included
@@ -144,10 +144,11 @@ def _warm_up(model, name: str, method, budget: Budget, ids: list[int]) -> None:
 
 
 def bench_fit(model, tokenizer, cap: int, prompt: int, generate: int, methods: list[str], budget: Budget,
-              dtype_bytes: int, max_batch: int = FIT_MAX_BATCH) -> list[dict]:
+              dtype_bytes: int, max_batch: int = FIT_MAX_BATCH, evict_every: int = 1) -> list[dict]:
     """Per method: the largest batch under ``cap`` (and at most ``max_batch`` rows: a cap far above
     the model's needs would otherwise build and decode millions of rows), its measured tokens/s and
-    peak KV bytes, and the ratios to the full cache."""
+    peak KV bytes, and the ratios to the full cache. ``evict_every``: the compressed caches' (their
+    plans count its slack slots)."""
     check_length(model, prompt, generate)
     check_fit_generate(generate)
     prompt_of = row_prompts(tokenizer, model.config.get_text_config().vocab_size, prompt)
@@ -157,7 +158,8 @@ def bench_fit(model, tokenizer, cap: int, prompt: int, generate: int, methods: l
         _warm_up(model, name, method, budget, prompt_of(0)[:WARM_UP_TOKENS])
     rows = []
     for name, method in chosen.items():
-        need = plan(model.config, method, budget, prompt, generate, dtype_bytes, stock=name == FULL)
+        need = plan(model.config, method, budget, prompt, generate, dtype_bytes, stock=name == FULL,
+                    evict_every=evict_every)
 
         none_fit = D2OError(f"a KV cap of {cap:,} bytes holds not one {prompt}+{generate}-token sequence "
                             f"under {name} (it needs {need.peak_bytes:,})")
@@ -169,7 +171,8 @@ def bench_fit(model, tokenizer, cap: int, prompt: int, generate: int, methods: l
                     run = _run_full(model, need, cap, max_batch, prompt_of, generate)
             else:
                 per_slot = slot_bytes(model.config, dtype_bytes, method)
-                run = _run_packed(model, method, budget, need, cap, max_batch, per_slot, prompt_of, generate)
+                run = _run_packed(model, method, budget, need, cap, max_batch, per_slot, prompt_of, generate,
+                                  evict_every)
         if run.batch == 0:  # a row's plan bounds its peak, so this is not expected
             raise none_fit
         rows.append({"method": name, "budget": "-" if name == FULL else str(budget), "batch": run.batch,
