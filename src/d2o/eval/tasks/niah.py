@@ -43,6 +43,11 @@ NEEDLES = (
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 
 
+def depth_cut(hay: str, depth: float) -> int:
+    """Where a needle at ``depth`` (0: the start, 1: the end) goes in ``hay``: a sentence's end."""
+    return sentence_boundary(hay, int(depth * len(hay))) if depth < 1.0 else len(hay)
+
+
 def fact_recall(prediction: str, fact: str) -> float:
     """Share of the fact's words (SQuAD-normalised) that the answer contains."""
     words = normalize_answer(fact).split()
@@ -105,58 +110,53 @@ class NeedleInAHaystack(Task):
     def samples(self, tokenizer, limit, seed):
         if self.needles > 1:
             return self._many_needles(tokenizer, limit, seed)
-        text = read_text_file(self.haystack) if self.haystack else essays()
-        ids = tokenizer(text, add_special_tokens=False).input_ids
         tail = f"\n\nQuestion: {self.question}\nAnswer: {self.answer_prefix}"
         overhead = len(tokenizer(self.needle + tail, add_special_tokens=False).input_ids) + 2
-        rng = random.Random(seed)
         samples = []
-        for repeat in range(limit or 1):
-            for length in self.lengths:
-                room = length - overhead
-                if room < 16 or room > len(ids):
-                    raise D2OError(f"haystack length {length} is out of range: the haystack text has {len(ids)} "
-                                   f"tokens and the needle and question take {overhead}")
-                start = rng.randint(0, len(ids) - room)
-                hay = tokenizer.decode(ids[start : start + room])
-                for depth in self.depths:
-                    cut = sentence_boundary(hay, int(depth * len(hay))) if depth < 1.0 else len(hay)
-                    prompt = hay[:cut].rstrip() + " " + self.needle + " " + hay[cut:].lstrip() + tail
-                    samples.append(Sample(f"niah-{length}-{depth:g}-{seed}-{repeat}", prompt, self.fact,
-                                          max_new_tokens=16, stop=("\n",), question=tail,
-                                          meta={"length": length, "depth": depth}))
+        for repeat, length, hay in self._haystacks(tokenizer, limit, seed, overhead, "the needle and question"):
+            for depth in self.depths:
+                cut = depth_cut(hay, depth)
+                prompt = hay[:cut].rstrip() + " " + self.needle + " " + hay[cut:].lstrip() + tail
+                samples.append(Sample(f"niah-{length}-{depth:g}-{seed}-{repeat}", prompt, self.fact,
+                                      max_new_tokens=16, stop=("\n",), question=tail,
+                                      meta={"length": length, "depth": depth}))
         return samples
 
     def _many_needles(self, tokenizer, limit, seed) -> list[Sample]:
         """Per haystack, ``needles`` needles at depths 0 .. 1 and a sample asking each."""
-        text = read_text_file(self.haystack) if self.haystack else essays()
-        ids = tokenizer(text, add_special_tokens=False).input_ids
         needles = NEEDLES[: self.needles]
         tails = [f"\n\nQuestion: {question}\nAnswer: {prefix}" for _, question, prefix, _ in needles]
         overhead = len(tokenizer(" ".join(n[0] for n in needles) + max(tails, key=len),
                                  add_special_tokens=False).input_ids) + 2 * len(needles)
         depths = [i / (len(needles) - 1) for i in range(len(needles))]
-        rng = random.Random(seed)
         samples = []
+        for repeat, length, hay in self._haystacks(tokenizer, limit, seed, overhead,
+                                                   f"{len(needles)} needles and their question"):
+            pieces, previous = [], 0
+            for cut, (needle, *_) in zip((depth_cut(hay, depth) for depth in depths), needles):
+                pieces += [hay[previous:cut].strip(), needle]
+                previous = cut
+            context = " ".join(piece for piece in [*pieces, hay[previous:].strip()] if piece)
+            for index, ((_, _, _, fact), tail, depth) in enumerate(zip(needles, tails, depths)):
+                samples.append(Sample(f"niah{len(needles)}-{length}-{index}-{seed}-{repeat}", context + tail, fact,
+                                      max_new_tokens=16, stop=("\n",), question=tail,
+                                      meta={"length": length, "depth": depth, "needle": index}))
+        return samples
+
+    def _haystacks(self, tokenizer, limit, seed, overhead: int, what: str):
+        """(repeat, length, text): for each of ``limit`` repeats and each length, a seeded stretch of
+        the haystack leaving ``overhead`` tokens of each length to ``what`` is put in it."""
+        text = read_text_file(self.haystack) if self.haystack else essays()
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+        rng = random.Random(seed)
         for repeat in range(limit or 1):
             for length in self.lengths:
                 room = length - overhead
                 if room < 16 or room > len(ids):
                     raise D2OError(f"haystack length {length} is out of range: the haystack text has {len(ids)} "
-                                   f"tokens and {len(needles)} needles and their question take {overhead}")
+                                   f"tokens and {what} take {overhead}")
                 start = rng.randint(0, len(ids) - room)
-                hay = tokenizer.decode(ids[start : start + room])
-                cuts = [sentence_boundary(hay, int(depth * len(hay))) if depth < 1.0 else len(hay) for depth in depths]
-                pieces, previous = [], 0
-                for cut, (needle, *_) in zip(cuts, needles):
-                    pieces += [hay[previous:cut].strip(), needle]
-                    previous = cut
-                context = " ".join(piece for piece in [*pieces, hay[previous:].strip()] if piece)
-                for index, ((_, _, _, fact), tail, depth) in enumerate(zip(needles, tails, depths)):
-                    samples.append(Sample(f"niah{len(needles)}-{length}-{index}-{seed}-{repeat}", context + tail, fact,
-                                          max_new_tokens=16, stop=("\n",), question=tail,
-                                          meta={"length": length, "depth": depth, "needle": index}))
-        return samples
+                yield repeat, length, tokenizer.decode(ids[start : start + room])
 
     def score(self, prediction, sample):
         return {"recall": fact_recall(prediction, sample.gold)}
