@@ -27,7 +27,7 @@ from d2o.errors import D2OError
 from d2o.methods.base import Method
 from d2o.runtime.decoding import Batch, Sampling, Sequence, seconds_since
 from d2o.runtime.generation import Generation, resolve
-from d2o.runtime.prompts import check_length, encode, stop_token_ids
+from d2o.runtime.prompts import as_list, check_length, encode, stop_token_ids
 
 FORMAT = 1  # the layout of a saved context; a file of another layout is refused
 DEFAULT_METHOD = "d2o-novelty"  # the method kept for questions that come after compression
@@ -99,9 +99,7 @@ class CompressedContext:
         context alone. Greedy by default (see ``generate`` for the sampling options); ``chat``: a
         question is a user turn of the model's chat template (by default, as the context was
         compressed). ``Generation.text`` is the answer to a single question."""
-        one = isinstance(questions, str) or (isinstance(questions, list) and bool(questions)
-                                             and isinstance(questions[0], dict))
-        asked = [questions] if one else list(questions)
+        asked = as_list(questions)
         if not asked:
             raise D2OError("no question to ask")
         ids = [self.question_ids(question, chat) for question in asked]
@@ -112,15 +110,7 @@ class CompressedContext:
         batch = self.answer_batch(ids, sequences)
         batch.run()
         seconds = time.perf_counter() - start
-        return Generation(
-            texts=[s.text for s in sequences],
-            new_tokens=[s.tokens for s in sequences],
-            prompt_tokens=[s.prompt_tokens for s in sequences],
-            finish_reasons=[s.finish_reason for s in sequences],
-            report=CacheReport.concat([s.report for s in sequences]),
-            seconds=seconds,
-            prefill_seconds=0.0,
-        )
+        return Generation.of(sequences, seconds, 0.0)
 
     def answer_batch(self, questions: list[list[int]], sequences: list[Sequence]) -> Batch:
         """A batch ready to decode: each question's token ids fed to its own copy of the context

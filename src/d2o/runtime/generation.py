@@ -11,7 +11,7 @@ from d2o.errors import D2OError
 from d2o.methods import get_method
 from d2o.methods.base import Method
 from d2o.runtime.decoding import Batch, Sampling, Sequence
-from d2o.runtime.prompts import check_length, encode, stop_token_ids
+from d2o.runtime.prompts import as_list, check_length, encode, stop_token_ids
 
 
 @dataclass
@@ -25,6 +25,15 @@ class Generation:
     report: CacheReport
     seconds: float  # prefill and decoding, wall clock
     prefill_seconds: float
+
+    @classmethod
+    def of(cls, sequences: list[Sequence], seconds: float, prefill_seconds: float) -> Generation:
+        """What finished ``sequences`` produced, and their caches' report."""
+        return cls(texts=[s.text for s in sequences], new_tokens=[s.tokens for s in sequences],
+                   prompt_tokens=[s.prompt_tokens for s in sequences],
+                   finish_reasons=[s.finish_reason for s in sequences],
+                   report=CacheReport.concat([s.report for s in sequences]), seconds=seconds,
+                   prefill_seconds=prefill_seconds)
 
     @property
     def text(self) -> str:
@@ -76,19 +85,11 @@ def generate(
     """
     method, budget = resolve(method, budget, min_tokens, **method_options)
     sampling = Sampling(temperature, top_p, seed, top_k)
-    one = isinstance(prompts, str) or (isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], dict))
-    rows = encode(tokenizer, [prompts] if one else list(prompts), chat)
+    rows = encode(tokenizer, as_list(prompts), chat)
     check_length(model, max(len(row) for row in rows), max_new_tokens)
     stops = stop_token_ids(model, tokenizer)
     sequences = [Sequence(tokenizer, max_new_tokens, sampling, stops, stop) for _ in rows]
     cache = CompressedCache(model, method, budget, tokenizer=tokenizer, evict_every=evict_every)
     Batch.prefill(model, cache, rows, sequences).run()
-    return Generation(
-        texts=[s.text for s in sequences],
-        new_tokens=[s.tokens for s in sequences],
-        prompt_tokens=[len(row) for row in rows],
-        finish_reasons=[s.finish_reason for s in sequences],
-        report=CacheReport.concat([s.report for s in sequences]),
-        seconds=sequences[0].prefill_seconds + max(s.decode_seconds for s in sequences),
-        prefill_seconds=sequences[0].prefill_seconds,
-    )
+    return Generation.of(sequences, sequences[0].prefill_seconds + max(s.decode_seconds for s in sequences),
+                         sequences[0].prefill_seconds)

@@ -23,6 +23,13 @@ def chat_text(tokenizer, prompt: str | list[dict]) -> str | None:
         raise D2OError(f"the model's chat template refuses these messages: {error}") from None
 
 
+def as_list(prompts: str | list[dict] | list[str | list[dict]]) -> list[str | list[dict]]:
+    """Prompts as a list: a text or a conversation (a list of messages) is one prompt, a list of
+    them is several."""
+    one = isinstance(prompts, str) or (isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], dict))
+    return [prompts] if one else list(prompts)
+
+
 def encode(tokenizer, prompts: list[str | list[dict]], chat: bool = False) -> list[list[int]]:
     """The token ids of each prompt; through the chat template if asked (its text then carries
     the special tokens). With ``chat``, a prompt may be a conversation (a list of messages)."""
