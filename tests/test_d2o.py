@@ -299,10 +299,10 @@ def test_a_slot_standing_for_identical_tokens_gets_their_attention_and_statistic
     torch.testing.assert_close(layer.log_weight[0, :, 2], torch.full((2,), math.log(3), dtype=torch.float32))
     query = torch.randn(1, 4, 1, 8, dtype=torch.float64)
     request = StatsRequest(column_mass=True)
-    full_out, full_stats = _one_query_attention(query, keys, values, torch.ones(1, 2, 9, dtype=torch.bool), None, 0.35,
-                                                request)
-    out, stats = _one_query_attention(query, layer.keys, layer.values, layer.valid, None, 0.35, request,
-                                      layer.log_weight)
+    full_out, full_stats = _one_query_attention(query, keys, values, torch.zeros(1, 2, 1, 9, dtype=torch.float64),
+                                                None, 0.35, request)
+    out, stats = _one_query_attention(query, layer.keys, layer.values, layer.logit_bias(torch.float64), None, 0.35,
+                                      request)
     torch.testing.assert_close(out, full_out)
     mass = full_stats.column_mass
     merged_mass = torch.cat([mass[..., :2], mass[..., 2:5].sum(-1, keepdim=True), mass[..., 5:]], dim=-1)

@@ -80,3 +80,54 @@ def test_fit_packs_rows_that_evict_in_batches_under_the_cap_with_their_slack():
     for row in rows.values():
         assert row["peak_kv_mib"] <= row["planned_kv_mib"] <= round(cap / 2**20, 1)
     assert rows[8]["batch"] < rows[1]["batch"]  # eight slack slots a layer take room a row would have
+
+
+@pytest.mark.parametrize("method", ["d2o", "d2o-plus"])
+def test_the_steps_that_skip_counting_and_votes_change_nothing(method):
+    """Between evictions a step neither counts what the layers hold nor computes the votes of its
+    query (only an eviction reads them): the same tokens, and at every eviction the same slots and
+    state, as a cache made to count and vote at every step."""
+    model, k = tiny_model("llama"), 4
+    runs = []
+    for skipping in (True, False):
+        cache = make_cache(model, method, 0.25)
+        cache.evict_every = k
+        tokens, evictions, quiet = [], [], []
+        for state in decode(model, cache, 90, 3 * k + 1):
+            layer = state.layers[1]
+            quiet.append(not state.may_evict_after(1))
+            tokens.append(int(layer.token_index.max()))
+            if int(layer.n_kept[0]) == int(layer.budget[0]):  # just evicted
+                evictions.append((layer.token_index.sort(-1).values, layer.keys.sum(), {
+                    name: value.sum() for name, value in layer.slot_state.items()}))
+            if not skipping:
+                state._quiet = -1  # count, and vote, at the next step
+        runs.append((evictions, quiet))
+    (evicted, quiet), (evicted_always, _) = runs
+    assert sum(quiet) >= 2 * (k - 2)  # most steps skip
+    assert len(evicted) == len(evicted_always) == 3
+    for (index, keys, states), (index_always, keys_always, states_always) in zip(evicted, evicted_always):
+        assert torch.equal(index, index_always)
+        torch.testing.assert_close(keys, keys_always)
+        assert states.keys() == states_always.keys()
+        for name in states:
+            torch.testing.assert_close(states[name], states_always[name])
+
+
+@pytest.mark.parametrize("method,k", [("d2o", 1), ("d2o-plus", 3)])
+def test_the_logit_bias_kept_in_place_is_the_one_made_afresh(method, k):
+    """The bias the attention adds (log weights, the lowest value on empty slots), updated in place as
+    vacancies fill, equals the one made from the slots at every step."""
+    model = tiny_model("qwen3")
+    cache = make_cache(model, method, 0.3)
+    cache.evict_every = k
+    checked = 0
+    for state in decode(model, cache, 80, 10):
+        for layer in state.layers:
+            if layer._bias is None:
+                continue
+            fresh = (torch.zeros_like(layer.token_index, dtype=torch.float32) if layer.log_weight is None
+                     else layer.log_weight.clone()).masked_fill(~layer.valid, torch.finfo(torch.float32).min)
+            assert torch.equal(layer.logit_bias(torch.float32), fresh[:, :, None, :])
+            checked += 1
+    assert checked >= 10 * 2

@@ -49,9 +49,20 @@ def _make_attention(backend: str):
             raise D2OError("d2o's attention takes a 2D padding mask (batch, tokens), not a prepared 4D mask")
         batch, n_query, n_keys = query.shape[0], query.shape[2], key.shape[2]
         window = kwargs.get("sliding_window")
+        new_valid = None if attention_mask is None else attention_mask[:, -n_query:].bool()  # None: all real
+        scaling = module.scaling if scaling is None else scaling
         log_weight = None
+        request = None
         if layer is not None:
-            layer.admit(None if attention_mask is None else attention_mask[:, -n_query:])
+            layer.admit(new_valid)
+            if layer.observing:
+                request = layer.cache.policy.stats_request(layer, n_query)
+            if request is not None and n_query == 1 and window is None and request.visible is None:
+                # A decode step whose statistics are wanted: its probabilities give them for free.
+                output, stats = _one_query_attention(query, key, value, layer.logit_bias(_work_dtype(query)),
+                                                     new_valid, scaling, request)
+                _observe(layer, request, _with_queries(stats, request, layer, query, scaling))
+                return output, None
             kv_valid = layer.valid  # (B, G, N)
             positions = layer.token_index
             log_weight = layer.log_weight
@@ -62,20 +73,9 @@ def _make_attention(backend: str):
                         else attention_mask[:, -n_keys:].bool())[:, None]
             positions = torch.arange(n_keys, device=query.device).expand(batch, 1, n_keys)
             query_positions = positions[:, :, n_keys - n_query:]
-        new_valid = None if attention_mask is None else attention_mask[:, -n_query:].bool()  # None: all real
         if key.shape[1] != query.shape[1] // module.num_key_value_groups:  # KV heads stored repeated
             module = _Grouping(module, query.shape[1] // key.shape[1])
         window_mask = None if window is None else _sliding_window(window, positions, query_positions)
-        scaling = module.scaling if scaling is None else scaling
-        request = None
-        if layer is not None and layer.observing:
-            request = layer.cache.policy.stats_request(layer, n_query)
-        if request is not None and n_query == 1 and window_mask is None and request.visible is None:
-            # Empty slots are masked whether there are any or not: asking would make the host wait for
-            # the device in every layer of every decode step.
-            output, stats = _one_query_attention(query, key, value, kv_valid, new_valid, scaling, request, log_weight)
-            _observe(layer, request, _with_queries(stats, request, layer, query, scaling))
-            return output, None
         every_slot = window_mask is None and bool(kv_valid.all())
 
         if request is not None and request.columns and request.visible is None and n_query > 1 and backend == "sdpa":
@@ -143,20 +143,23 @@ def _observe(layer, request: StatsRequest, stats: AttentionStats) -> None:
     layer.cache.policy.observe(layer, stats)
 
 
-def _one_query_attention(query, key, value, kv_valid, new_valid, scaling, request, log_weight=None):
+def _work_dtype(query: torch.Tensor) -> torch.dtype:
+    """The dtype the statistics are computed in: float32 at least (a float64 model keeps float64)."""
+    return query.dtype if query.dtype == torch.float64 else torch.float32
+
+
+def _one_query_attention(query, key, value, bias, new_valid, scaling, request):
     """One new query per row (a decode step), when the policy wants statistics: the attention
     probabilities (in float32 at least), the output from them, and the statistics ``request``
     asks for, for free (for one query, its probabilities are both the column mass and the last
-    window row). ``kv_valid``
-    (B, G, N) masks empty slots; ``log_weight`` (B, G, N) is added to the slots' logits."""
+    window row). ``bias`` (B, G, 1, N) is added to the logits: the slots' log weights, the lowest
+    value for empty ones (masked whether there are any or not: asking would make the host wait for
+    the device in every layer of every decode step)."""
     batch, heads, _, dim = query.shape
     kv_heads = key.shape[1]
-    dtype = query.dtype if query.dtype == torch.float64 else torch.float32
+    dtype = bias.dtype
     queries = as_dtype(query, dtype).view(batch, kv_heads, heads // kv_heads, dim) * scaling
-    scores = torch.matmul(queries, as_dtype(key, dtype).transpose(-1, -2))  # (B, G, group, N)
-    if log_weight is not None:
-        scores += log_weight[:, :, None, :]
-    scores.masked_fill_(~kv_valid[:, :, None, :], torch.finfo(dtype).min)
+    scores = torch.matmul(queries, as_dtype(key, dtype).transpose(-1, -2)).add_(bias)  # (B, G, group, N)
     probs = torch.softmax(scores, dim=-1)
     output = as_dtype(torch.matmul(probs, as_dtype(value, dtype)), query.dtype)
     output = output.view(batch, 1, heads, value.shape[-1])

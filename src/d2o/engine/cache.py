@@ -118,6 +118,10 @@ class CompressedCache(Cache):
         self.forwards = 0
         self.allocated = False
         self._holds = 0
+        # Decoding in batches of steps: the tokens that can still be fed before a row may be due, and
+        # the tokens seen (padding included) when that was counted.
+        self._quiet = 0
+        self._seen_at_check = 0
         self._last_hidden = None  # the last real token's final hidden state (for surprisal)
         self._last_logits = None  # (hidden, logits): the model's logits from those hidden states
         self._start_probing()
@@ -218,6 +222,7 @@ class CompressedCache(Cache):
         if self._last_hidden is not None:
             self._last_hidden = torch.cat([self._last_hidden, *(other._last_hidden for other in others)])
         self.forwards = max(self.forwards, *(other.forwards for other in others))
+        self._quiet = 0  # a joining row may be nearer its next eviction: count at the next pass
 
     # -- lifecycle ----------------------------------------------------------------------------
     def _start_observing(self) -> None:
@@ -231,6 +236,7 @@ class CompressedCache(Cache):
         self._start_observing()  # the last sequence's allocation stopped some layers observing
         self.forwards = 0
         self.allocated = False
+        self._quiet = self._seen_at_check = 0
         self._last_hidden = self._last_logits = None
         self._start_probing()
 
@@ -378,17 +384,31 @@ class CompressedCache(Cache):
         layers = [self.layers[index] for index in self.compressible]
         if not layers:  # every layer slides (the full cache of such a model)
             return
+        batched = decoding and self.evict_every > 1
+        added, self._seen_at_check = self.layers[0].seen - self._seen_at_check, self.layers[0].seen
+        if batched and added <= self._quiet:  # no row can have reached budget + evict_every yet
+            self._quiet -= added
+            return
         kept = torch.stack([layer.n_kept for layer in layers])
         limit = self._limit(torch.stack([layer.budget for layer in layers]),
                             torch.stack([layer.real_seen for layer in layers]))
         target = torch.where(limit == UNLIMITED, kept, torch.minimum(limit, kept))
-        batched = decoding and self.evict_every > 1
         if batched:  # a row is brought back to its budgets when one of its layers reaches budget + evict_every
-            due = (kept - target).amax(0) >= self.evict_every
+            over = (kept - target).amax(0)
+            due = over >= self.evict_every
+            # Each pass of one token raises a layer's excess by one at most (a floor can only lower it):
+            # the passes until the next row is due need no count.
+            self._quiet = self.evict_every - 1 - int(torch.where(due, 0, over).max())
             if not bool(due.any()):
                 return
             target = torch.where(due, target, kept)
         self._shrink_layers(layers, kept, target, self.policy, in_place=batched)
+
+    def may_evict_after(self, n_query: int) -> bool:
+        """Whether the pass running now (``n_query`` new tokens per row) may end in an eviction: a
+        method computes what only an eviction reads (the votes of the latest queries) only then."""
+        return not (self.allocated and self.evict_every > 1 and self.policy.evicts_during_decode
+                    and n_query <= self._quiet)
 
     def _allocate(self) -> None:
         prompt = self.layers[0].real_seen

@@ -11,7 +11,11 @@ state in ``state`` (a ``RowState``).
 
 Decoding does not copy the layer: a step that evicts one token per row and KV head only marks its
 slot empty, and the next token is written into that slot (``update``); a multi-token input is
-appended, and an eviction of several tokens gathers the kept slots into new, smaller tensors.
+appended, and an eviction of several tokens gathers the kept slots into new, smaller tensors, but
+one made while decoding in batches of steps, which marks its slots empty for the next tokens. The
+slots an eviction empties in every row are ``Vacancies``: where each of the next tokens goes, and
+what it writes there, prepared at the eviction, so that a step between evictions writes its token
+with four in-place writes and computes nothing about where.
 """
 
 from __future__ import annotations
@@ -100,6 +104,42 @@ def _flat(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(tensor.shape[0] * tensor.shape[1] * tensor.shape[2], -1)
 
 
+@dataclass
+class Vacancies:
+    """The slots an eviction emptied in every row and KV head, each step's ready to write into:
+    the next tokens take them in order. Per step: ``slots`` (B, G, 1) (the token's slot in each row
+    and head); ``bias_slots`` (B, G, 1, 1) and ``key_slots``/``value_slots`` (B, G, 1, D), the same
+    slots as scatter indices into the logit bias, the keys and the values; ``token_index`` (B, G, 1)
+    the index the token gets and ``real_seen`` (B,) the row's tokens after it, if every token up to
+    it is real (the prepared ones count so; a padded step computes them)."""
+
+    slots: tuple[torch.Tensor, ...]
+    bias_slots: tuple[torch.Tensor, ...]
+    key_slots: tuple[torch.Tensor, ...]
+    value_slots: tuple[torch.Tensor, ...]
+    token_index: tuple[torch.Tensor, ...]
+    real_seen: tuple[torch.Tensor, ...]
+    taken: int = 0
+    counted: bool = True  # False once a step had padding: its prepared indices no longer hold
+
+    @classmethod
+    def of(cls, slots: torch.Tensor, real_seen: torch.Tensor, key_dim: int, value_dim: int) -> Vacancies:
+        """The vacancies ``slots`` (B, G, E) of a layer whose rows have seen ``real_seen`` (B,) tokens."""
+        batch, heads, count = slots.shape
+        steps = torch.arange(count, device=slots.device)
+        key_slots = slots[..., None].expand(batch, heads, count, key_dim).split(1, 2)
+        value_slots = key_slots if value_dim == key_dim else \
+            slots[..., None].expand(batch, heads, count, value_dim).split(1, 2)
+        return cls(slots=slots.split(1, 2), bias_slots=slots[:, :, None, :].split(1, 3), key_slots=key_slots,
+                   value_slots=value_slots,
+                   token_index=(real_seen[:, None, None] + steps).expand(batch, heads, count).split(1, 2),
+                   real_seen=(real_seen[None, :] + steps[:, None] + 1).unbind(0))
+
+    @property
+    def left(self) -> int:
+        return len(self.slots) - self.taken
+
+
 def _map_field(value, fn):
     if isinstance(value, torch.Tensor):
         return fn(value)
@@ -113,6 +153,25 @@ class CompressedLayer(CacheLayerMixin):
 
     is_croppable = False  # eviction cannot be undone, so assisted decoding's rollback cannot work
     is_sliding = False
+    _bias: torch.Tensor | None = None
+
+    # Token indices and log weights define the logit bias; a new tensor for either drops it (in-place
+    # changes update it or drop it themselves).
+    @property
+    def token_index(self) -> torch.Tensor | None:
+        return self._token_index
+
+    @token_index.setter
+    def token_index(self, value: torch.Tensor | None) -> None:
+        self._token_index, self._bias = value, None
+
+    @property
+    def log_weight(self) -> torch.Tensor | None:
+        return self._log_weight
+
+    @log_weight.setter
+    def log_weight(self, value: torch.Tensor | None) -> None:
+        self._log_weight, self._bias = value, None
 
     def __init__(self, cache: CompressedCache, layer_idx: int, window: int | None = None):
         super().__init__()
@@ -143,7 +202,9 @@ class CompressedLayer(CacheLayerMixin):
         self.held_window: torch.Tensor | None = None
         self.pending = 0  # tokens appended by `update` that the attention hook has not admitted yet
         self.written: torch.Tensor | None = None  # (B, G, 1): where `update` wrote a token in place
-        self.holes: torch.Tensor | None = None  # (B, G, 1): slots the last eviction emptied in every row
+        self.vacancies: Vacancies | None = None  # the slots the last eviction emptied in every row, if any
+        self._prepared: tuple[torch.Tensor, torch.Tensor] | None = None  # the written token's index, real_seen
+        self._zeroed = False  # the written slot's state was zeroed when it was emptied
         # False when the layer never evicts by its policy's scores (a sliding-window layer, or once
         # allocated a layer that can never evict): its statistics are then not needed.
         self.observing = self.window is None
@@ -179,22 +240,43 @@ class CompressedLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.pending = key_states.shape[-2]
-        free = None
-        if self.pending == 1:
-            free = self.holes if self.holes is not None and self.owns_storage else self.free_slots()
-        self.holes = None
-        if free is not None:  # one token per row and KV head, into a free slot: nothing is copied
-            rows = self.rows_of(free)
-            _flat(self.keys).index_copy_(0, rows, key_states.reshape(rows.shape[0], -1))
-            _flat(self.values).index_copy_(0, rows, value_states.reshape(rows.shape[0], -1))
-            self.written = free
+        written = self._next_slot() if self.pending == 1 else None
+        if written is not None:  # one token per row and KV head, into an empty slot: nothing is copied
+            slots, key_slots, value_slots = written
+            self.keys.scatter_(2, key_slots, key_states)
+            self.values.scatter_(2, value_slots, value_states)
+            self.written = slots
         else:
             self.keys = torch.cat([self.keys, key_states], dim=-2)
             self.values = torch.cat([self.values, value_states], dim=-2)
             self.written = None
             self.owns_storage = True
+        self.vacancies = self.vacancies if written is not None else None
         _active.layer = self
         return self.keys, self.values
+
+    def _next_slot(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Where one new token per row and KV head goes: its slots (B, G, 1) and those as indices into
+        the keys and values; None when it must be appended (no empty slot in some row and head, or
+        storage shared with another cache). The vacancies an eviction left come first."""
+        if not self.owns_storage:
+            return None
+        vacancies = self.vacancies
+        if vacancies is not None and vacancies.left:
+            step = vacancies.taken
+            vacancies.taken += 1
+            self._zeroed = True
+            self._prepared = (vacancies.token_index[step], vacancies.real_seen[step]) if vacancies.counted else None
+            self._bias_slots = vacancies.bias_slots[step]
+            return vacancies.slots[step], vacancies.key_slots[step], vacancies.value_slots[step]
+        self.vacancies = None
+        free = self.free_slots()
+        if free is None:
+            return None
+        self._zeroed, self._prepared, self._bias_slots = False, None, free[:, :, None, :]
+        batch, heads = free.shape[:2]
+        return (free, free[..., None].expand(batch, heads, 1, self.keys.shape[-1]),
+                free[..., None].expand(batch, heads, 1, self.values.shape[-1]))
 
     def free_slots(self) -> torch.Tensor | None:
         """(B, G, 1): the first empty slot of every row and KV head, or None if one has none (or the
@@ -278,7 +360,7 @@ class CompressedLayer(CacheLayerMixin):
         if self.state is not None:
             self.state = self.state.map_rows(fn)
         self.owns_storage = True
-        self.holes = None
+        self.vacancies = None
 
     def join(self, others: list[CompressedLayer]) -> None:
         """Append the rows of ``others`` (layers of caches of the same policy) to this layer's;
@@ -316,7 +398,7 @@ class CompressedLayer(CacheLayerMixin):
             self.state = type(self.state).concat([layer.state for layer in layers], rows)
         self.seen = max(layer.seen for layer in layers)
         self.owns_storage = True
-        self.holes = None
+        self.vacancies = None
 
     def copy_for(self, cache: CompressedCache) -> CompressedLayer:
         """This layer as a layer of ``cache`` (``CompressedCache.copy``): storage shared, written in
@@ -324,7 +406,8 @@ class CompressedLayer(CacheLayerMixin):
         new = copy.copy(self)
         new.cache = cache
         self.owns_storage = new.owns_storage = False
-        self.holes = new.holes = None
+        self.vacancies = new.vacancies = None
+        new._bias = None  # made again from its own log weights (the bias is updated in place)
         if not self.is_initialized:
             return new
         new.slot_state = {name: state.clone() for name, state in self.slot_state.items()}
@@ -350,26 +433,38 @@ class CompressedLayer(CacheLayerMixin):
             return
         n_slots = self.token_index.shape[2]
         self.slot_state = {name: state[:, :, :n_slots].contiguous() for name, state in self.slot_state.items()}
-        self.written = self.holes = self.held_window = None
+        self.written = self.vacancies = self.held_window = None
 
     # -- what the attention hook and the methods use --------------------------------------------
     def admit(self, new_valid: torch.Tensor | None) -> None:
         """Record the tokens ``update`` added: ``new_valid`` (B, q) is False for padding (None: all real)."""
         q = self.pending
         batch, heads = self.keys.shape[:2]
+        self.seen += q
+        self.pending = 0
+        if self.written is not None and self._prepared is not None and new_valid is None:
+            index, self.real_seen = self._prepared  # a step into a vacancy, prepared at the eviction
+            self._token_index.scatter_(2, self.written, index)
+            if self._bias is not None:
+                self._bias.scatter_(3, self._bias_slots, 0.0)  # its log weight, zeroed when it was emptied
+            return
         if new_valid is None:
             index = self.real_seen[:, None] if q == 1 else self.real_seen[:, None] + torch.arange(q, device=self.device)
             added = q
         else:
             index = (self.real_seen[:, None] + new_valid.long().cumsum(-1) - 1).masked_fill(~new_valid, -1)
             added = new_valid.sum(-1)
+            if self.vacancies is not None:
+                self.vacancies.counted = False  # its prepared indices assumed every token real
         if self.written is not None:
-            rows = self.rows_of(self.written)
-            self.token_index.view(-1).index_copy_(0, rows, index.expand(batch, heads).flatten())
-            for state in self.slot_state.values():
-                _flat(state).index_fill_(0, rows, 0)
-            if self.log_weight is not None:
-                self.log_weight.view(-1).index_fill_(0, rows, 0)
+            self._token_index.scatter_(2, self.written, index[:, None, :].expand(batch, heads, 1))
+            if not self._zeroed:
+                rows = self.rows_of(self.written)
+                for state in self.slot_state.values():
+                    _flat(state).index_fill_(0, rows, 0)
+                if self.log_weight is not None:
+                    self._log_weight.view(-1).index_fill_(0, rows, 0)
+            self._bias = None
         else:
             self.token_index = torch.cat([self.token_index, index[:, None, :].expand(batch, heads, q)], dim=2)
             for name, state in self.slot_state.items():
@@ -378,8 +473,19 @@ class CompressedLayer(CacheLayerMixin):
             if self.log_weight is not None:
                 self.log_weight = torch.cat([self.log_weight, self.log_weight.new_zeros((batch, heads, q))], dim=2)
         self.real_seen = self.real_seen + added
-        self.seen += q
-        self.pending = 0
+
+    def logit_bias(self, dtype: torch.dtype) -> torch.Tensor:
+        """(B, G, 1, N) what the attention adds to each slot's logit: its log weight (0 for a slot
+        standing for one token), the lowest value of ``dtype`` for an empty slot. Made once and kept
+        up to date in place while tokens are written into vacancies; made again after anything else
+        changes the slots."""
+        bias = self._bias
+        if bias is None or bias.dtype != dtype:
+            index = self._token_index
+            bias = (index.new_zeros(index.shape, dtype=dtype) if self._log_weight is None
+                    else self._log_weight.to(dtype, copy=True))
+            bias = self._bias = bias.masked_fill_(index < 0, torch.finfo(dtype).min)[:, :, None, :]
+        return bias
 
     @property
     def valid(self) -> torch.Tensor:
@@ -435,16 +541,34 @@ class CompressedLayer(CacheLayerMixin):
         flat = self.rows_of(slots)
         if rows is None:
             self.token_index.view(-1).index_fill_(0, flat, -1)
-            self.holes = slots
+            self._vacate(slots, flat)
         else:
             self.token_index.view(-1).index_fill_(0, flat[rows[:, None].expand(slots.shape[:2]).flatten()], -1)
+            self._bias = None
 
     def drop_many(self, slots: torch.Tensor, valid: torch.Tensor) -> None:
         """Empty the slots ``slots`` (B, G, E) where ``valid`` (B, E), in place: the next tokens are
         written there (eviction in batches of decode steps)."""
         index = self.token_index
-        index.scatter_(2, slots, torch.where(valid[:, None, :], -1, index.gather(2, slots)))
-        self.holes = None
+        if bool(valid.all()):
+            index.scatter_(2, slots, -1)
+            self._vacate(slots, self.rows_of(slots))
+        else:
+            index.scatter_(2, slots, torch.where(valid[:, None, :], -1, index.gather(2, slots)))
+            self._bias = None
+            self.vacancies = None
+
+    def _vacate(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """The slots (B, G, E) (``rows`` of the flat views), just emptied in every row and head, become
+        the vacancies the next tokens take: what they held of the method's state and their log weight
+        is zeroed now (a token written there starts from nothing) and the logit bias masks them."""
+        for state in self.slot_state.values():
+            _flat(state).index_fill_(0, rows, 0)
+        if self.log_weight is not None:
+            self._log_weight.view(-1).index_fill_(0, rows, 0)  # in place: the bias is updated below
+        if self._bias is not None:
+            self._bias.view(-1).index_fill_(0, rows, torch.finfo(self._bias.dtype).min)
+        self.vacancies = Vacancies.of(slots, self.real_seen, self.keys.shape[-1], self.values.shape[-1])
 
     def keep(self, keep: torch.Tensor, keep_valid: torch.Tensor) -> None:
         """Shrink to the slots ``keep`` (B, G, K), gathered into new tensors; ``keep_valid`` (B, K)
@@ -461,4 +585,4 @@ class CompressedLayer(CacheLayerMixin):
         if self.log_weight is not None:
             self.log_weight = take_slots(self.log_weight, keep)
         self.owns_storage = True
-        self.holes = None
+        self.vacancies = None

@@ -141,7 +141,8 @@ class BlendedScores(AccumulatedAttention):
         return super().slot_state_bytes(group) + STATE_VALUE_BYTES * (len(self.keeps) - 1)  # one value each
 
     def stats_request(self, layer, n_query: int) -> StatsRequest:
-        return StatsRequest(column_mass=True, window=self.window)
+        # The votes are replaced by every pass and read only by an eviction: none after a pass none follows.
+        return StatsRequest(column_mass=True, window=self.window if layer.cache.may_evict_after(n_query) else 0)
 
     def observe(self, layer, stats: AttentionStats) -> None:
         accumulate_mass(layer, stats)
@@ -225,14 +226,15 @@ def record_tokens(cache, name: str, values: torch.Tensor, decay: float = 1.0) ->
     """Write the new tokens' ``values`` (B, q) into the slot state ``name`` of every layer, the
     older tokens' first multiplied by ``decay``."""
     batch, n_new = values.shape
+    heads = cache.layers[0].token_index.shape[1]  # the stored KV heads, as many in every layer
+    per_head = values[:, None, :].expand(batch, heads, n_new)
     for layer in cache.layers:
         scores = layer.slot_state.get(name)
         if scores is None:
             scores = torch.zeros(layer.token_index.shape, dtype=torch.float32, device=values.device)
         elif decay != 1.0:
             scores *= decay  # the new tokens' slots are overwritten just below
-        fresh = layer.fresh_slots(n_new)
-        scores.scatter_(2, fresh, values[:, None, :].expand(batch, fresh.shape[1], n_new))
+        scores.scatter_(2, layer.fresh_slots(n_new), per_head)
         layer.slot_state[name] = scores
 
 
