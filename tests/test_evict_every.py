@@ -32,8 +32,9 @@ def test_a_layer_runs_over_its_budget_by_less_than_k_and_is_evicted_in_place(met
         storage.append([layer.keys for layer in layers])
     # Every layer: 1, 2, 3 over, then back to its budget exactly at the k-th step, again and again.
     assert [set(row) for row in over] == [{(step + 1) % k} for step in range(len(over))]
-    # Once as wide as budget + k, no step copies a layer's keys: evicted slots are written into.
-    for before, after in zip(storage[k:], storage[k + 1:]):
+    # Compressed after the prefill to budget + k slots, no step copies a layer's keys: the empty ones
+    # and then the evicted ones are written into.
+    for before, after in zip(storage, storage[1:]):
         assert all(a is b for a, b in zip(before, after))
 
 

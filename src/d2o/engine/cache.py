@@ -501,8 +501,9 @@ class CompressedCache(Cache):
                 evicted = layer.evicted(slots, valid, merge.reads, merge.vectors)
             if in_place:
                 layer.drop_many(slots, valid)
-            else:
-                layer.keep(keep, keep_valid)
+            else:  # the layer is then as wide as it will be when decoding (budget + evict_every)
+                batched = self.evict_every > 1 and chooser is self.policy and self.policy.evicts_during_decode
+                layer.keep(keep, keep_valid, slack=self.evict_every if batched else 0)
         return evicted
 
     # -- inspection ---------------------------------------------------------------------------

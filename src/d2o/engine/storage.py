@@ -570,19 +570,33 @@ class CompressedLayer(CacheLayerMixin):
             self._bias.view(-1).index_fill_(0, rows, torch.finfo(self._bias.dtype).min)
         self.vacancies = Vacancies.of(slots, self.real_seen, self.keys.shape[-1], self.values.shape[-1])
 
-    def keep(self, keep: torch.Tensor, keep_valid: torch.Tensor) -> None:
+    def keep(self, keep: torch.Tensor, keep_valid: torch.Tensor, slack: int = 0) -> None:
         """Shrink to the slots ``keep`` (B, G, K), gathered into new tensors; ``keep_valid`` (B, K)
-        marks the real ones (rows of a batch with smaller budgets have an empty tail)."""
+        marks the real ones (rows of a batch with smaller budgets have an empty tail). ``slack``
+        empty slots more (decoding in batches of that many steps) become the vacancies the next
+        tokens are written into: no step before the next eviction copies the layer."""
         keys, values = take_slots(self.keys, keep), take_slots(self.values, keep)
-        self.token_index = self.token_index.gather(2, keep)
+        token_index = self.token_index.gather(2, keep)
         if not bool(keep_valid.all()):
             empty = ~keep_valid[:, None, :]
             keys.masked_fill_(empty[..., None], 0)
             values.masked_fill_(empty[..., None], 0)
-            self.token_index.masked_fill_(empty, -1)
-        self.keys, self.values = keys, values
-        self.slot_state = {name: take_slots(state, keep) for name, state in self.slot_state.items()}
-        if self.log_weight is not None:
-            self.log_weight = take_slots(self.log_weight, keep)
+            token_index.masked_fill_(empty, -1)
+        slot_state = {name: take_slots(state, keep) for name, state in self.slot_state.items()}
+        log_weight = None if self.log_weight is None else take_slots(self.log_weight, keep)
+        if slack:
+            def padded(tensor: torch.Tensor, fill) -> torch.Tensor:
+                return torch.cat([tensor, tensor.new_full((*tensor.shape[:2], slack, *tensor.shape[3:]), fill)], dim=2)
+
+            keys, values, token_index = padded(keys, 0), padded(values, 0), padded(token_index, -1)
+            slot_state = {name: padded(state, 0) for name, state in slot_state.items()}
+            log_weight = None if log_weight is None else padded(log_weight, 0)
+        self.keys, self.values, self.token_index, self.log_weight = keys, values, token_index, log_weight
+        self.slot_state = slot_state
         self.owns_storage = True
         self.vacancies = None
+        if slack:  # each row's empty tail starts after its kept slots
+            batch, heads = keys.shape[:2]
+            tail = keep_valid.sum(-1)[:, None, None] + torch.arange(slack, device=keys.device)
+            self.vacancies = Vacancies.of(tail.expand(batch, heads, slack), self.real_seen, keys.shape[-1],
+                                          values.shape[-1])
