@@ -42,7 +42,7 @@ def context_protocol(model, tokenizer, method: str, ids: list[int], question: st
 @pytest.mark.parametrize("method", METHODS)
 def test_each_answer_is_the_context_protocols_and_a_batch_is_them_one_by_one(arch, method):
     model, tokenizer = tiny_model(arch), byte_tokenizer()
-    context = compress(model, tokenizer, CONTEXT, method, budget_of(method))
+    context = compress(model, tokenizer, CONTEXT, method, budget_of(method), evict_every=1)  # as the evaluation's
     before = [(layer.keys, layer.token_index.clone()) for layer in context.cache.layers]
     nbytes = context.nbytes
     one_by_one = [context.ask(q, max_new_tokens=8).new_tokens[0] for q in QUESTIONS]

@@ -125,7 +125,7 @@ def test_local_model_folders_load_and_generate(real_model, tmp_path, arch):
     tokenizer.save_pretrained(tmp_path)
     model, loaded = load_model(str(tmp_path))
     assert model.config.model_type == arch and model.config._attn_implementation == "d2o_sdpa"
-    result = generate(model, loaded, LONG_ENOUGH, "d2o", 0.5, max_new_tokens=4, min_tokens=0)
+    result = generate(model, loaded, LONG_ENOUGH, "d2o", 0.5, max_new_tokens=4, min_tokens=0, evict_every=1)
     assert sum(result.report.layer_budgets) == round(4 * 0.5 * result.prompt_tokens[0])
     assert result.report.kv_tokens_kept == sum(result.report.layer_budgets)
 

@@ -505,8 +505,10 @@ def test_a_cap_that_holds_two_full_caches_runs_eight_d2o_requests_at_once(real_m
         async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300) as api:
             return await asyncio.gather(*(api.completions.create(**request, extra_body=extra) for _ in range(n)))
 
-    # No floor: at 40 tokens it would keep everything; at 20% a row holds 8 tokens per layer (+1).
-    with serving(model, tokenizer, kv_memory=2 * full.peak_bytes, min_tokens=0, max_queue=16) as (url, _):
+    # No floor: at 40 tokens it would keep everything; at 20% a row holds 8 tokens per layer (+1, evicting at
+    # every step: 8 slack slots would be as many again).
+    with serving(model, tokenizer, kv_memory=2 * full.peak_bytes, min_tokens=0, max_queue=16,
+                 evict_every=1) as (url, _):
         assert len(client(url).completions.create(**request).choices[0].text) > 0  # warm, and its shape
         d2o_replies = asyncio.run(burst(url, "d2o", 10))
         full_replies = asyncio.run(burst(url, "full", 3))

@@ -15,7 +15,7 @@ from typing import Optional
 import typer
 
 from d2o.bench import FIT_MAX_BATCH, SERVE_WORKLOADS, check_fit_generate
-from d2o.budget import Budget, parse_budgets
+from d2o.budget import EVICT_EVERY, Budget, parse_budgets
 from d2o.errors import D2OError
 from d2o.options import distinct, option_texts, parse_bytes, parse_options, split_list
 
@@ -26,6 +26,9 @@ app.add_typer(bench_app, name="bench")
 BUDGET_HELP = "KV budget: a ratio of the prompt (0.2) or tokens per layer (128t)."
 MODEL_HELP = "'smollm2' (default), 'gemma3-270m' (embedded models) or a local model folder."
 FLOOR_HELP = "Under a ratio budget, no layer is brought below min(tokens seen, N) (default 128)."
+BENCH_EVICT_HELP = ("Evict in batches: a layer runs up to k-1 tokens over its budget (benchmarks evict at every "
+                    "step unless told, as the committed tables; d2o generate and serve evict every 8).")
+EVICT_HELP = "Evict in batches: a layer runs up to k-1 tokens over its budget (1: evict at every step)."
 
 
 @app.command()
@@ -46,7 +49,7 @@ def generate(
     budget: Optional[str] = typer.Option(None, help=BUDGET_HELP + " \\[default: 0.2]"),
     min_tokens: Optional[int] = typer.Option(None, help=FLOOR_HELP),
     max_new_tokens: int = typer.Option(64, help="Tokens to generate."),
-    evict_every: int = typer.Option(1, help="Evict in batches: a layer runs up to k-1 tokens over its budget."),
+    evict_every: int = typer.Option(EVICT_EVERY, help=EVICT_HELP),
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template."),
     sample: bool = typer.Option(False, "--sample", help="Sample instead of greedy decoding."),
     temperature: Optional[float] = typer.Option(None, help="With --sample: the softmax temperature \\[default: 1.0]."),
@@ -91,7 +94,7 @@ def generate(
     if context_mode:
         questions = list(question) + (read_questions(questions_file) if questions_file is not None else [])
         answer_context(model, dtype, attention, text, questions, method, parsed_budget, options, chat, save_context,
-                       load_context, max_new_tokens, sampling, layers, as_json)
+                       load_context, max_new_tokens, sampling, layers, as_json, evict_every)
         return
 
     from d2o.runtime.generation import generate as run
@@ -151,8 +154,9 @@ def read_questions(path: Path) -> list[str]:
 
 
 def answer_context(model, dtype, attention, text, questions, method, budget, options, chat, save_context,
-                   load_context, max_new_tokens, sampling, layers, as_json) -> None:
-    """Compress (or load) the context, save it if asked, answer the questions as one batch."""
+                   load_context, max_new_tokens, sampling, layers, as_json, evict_every) -> None:
+    """Compress (or load) the context, save it if asked, answer the questions as one batch (a loaded
+    context evicts as it was saved to)."""
     from d2o.runtime.context import DEFAULT_METHOD, check_asks_later, compress
     from d2o.runtime.context import load_context as load_saved
     from d2o.runtime.generation import resolve
@@ -162,7 +166,8 @@ def answer_context(model, dtype, attention, text, questions, method, budget, opt
         check_asks_later(chosen)
     net, tokenizer = load(model, dtype=dtype, attention=attention)
     if load_context is None:
-        context = compress(net, tokenizer, text, method or DEFAULT_METHOD, budget, chat=chat, **options)
+        context = compress(net, tokenizer, text, method or DEFAULT_METHOD, budget, chat=chat, evict_every=evict_every,
+                           **options)
     else:
         context = load_saved(load_context, net, tokenizer)
     if save_context is not None:
@@ -203,7 +208,7 @@ def serve(
     prefix_cache_memory: str = typer.Option(
         "0", help="Of --kv-memory, the bytes kept for compressed prefixes (a chat's earlier turns, a shared "
                   "document), reused by the requests that begin with them; 0: none."),
-    evict_every: int = typer.Option(1, help="Evict in batches: a layer runs up to k-1 tokens over its budget."),
+    evict_every: int = typer.Option(EVICT_EVERY, help=EVICT_HELP),
 ):
     """An OpenAI-compatible server: continuous batching, admission by KV memory (see docs/guides/serving.md)."""
     from d2o.serve.config import ServeConfig
@@ -282,7 +287,8 @@ def evaluate(
     task_option: list[str] = typer.Option([], "--task-option",
                                           help="A task option NAME=VALUE (repeatable; `d2o tasks` lists them)."),
     option: list[str] = typer.Option([], "--option", help="A method option METHOD.NAME=VALUE (repeatable)."),
-    evict_every: int = typer.Option(1, help="Evict in batches: a layer runs up to k-1 tokens over its budget."),
+    evict_every: int = typer.Option(1, help="Evict in batches: a layer runs up to k-1 tokens over its budget "
+                                    "(the methods evict at every step, as their papers, unless told)."),
 ):
     """Evaluate methods x budgets on a task; writes samples.jsonl, summary.csv/.md and plots to OUT."""
     from d2o.eval.sweep import EvalConfig, check_config, run_eval
@@ -424,7 +430,8 @@ def bench_decode(
     min_tokens: Optional[int] = typer.Option(None, help=FLOOR_HELP),
     steps: int = typer.Option(32, help="Decode steps timed per run."),
     repeats: int = typer.Option(1, help="Runs of --steps steps; the median step of all is reported."),
-    evict_every: str = typer.Option("1", help="Comma-separated: evict in batches of k decode steps, each k a run."),
+    evict_every: str = typer.Option("1", help="Comma-separated: evict in batches of k decode steps, each k a run "
+                                    "(1: at every step, the committed tables; d2o generate and serve evict every 8)."),
     model: str = MODEL, shape: Optional[str] = SHAPE, positions: Optional[int] = POSITIONS,
     dtype: str = DTYPE, device: Optional[str] = DEVICE, out: Path = OUT,
 ):
@@ -460,7 +467,7 @@ def bench_fit(
     budget: str = typer.Option("0.2", help=BUDGET_HELP),
     max_batch: int = typer.Option(FIT_MAX_BATCH, help="No batch grows past this many rows, whatever the cap holds."),
     min_tokens: Optional[int] = typer.Option(None, help=FLOOR_HELP),
-    evict_every: int = typer.Option(1, help="Evict in batches: a layer runs up to k-1 tokens over its budget."),
+    evict_every: int = typer.Option(1, help=BENCH_EVICT_HELP),
     model: str = MODEL, shape: Optional[str] = SHAPE, positions: Optional[int] = POSITIONS,
     dtype: str = DTYPE, device: Optional[str] = DEVICE, out: Path = OUT,
 ):
@@ -571,13 +578,14 @@ def bench_serve(
     questions: int = typer.Option(8, help="documents and chat: questions per document (its needles, 1 to 8)."),
     prefix_cache: str = typer.Option(
         "0", help="Comma-separated --prefix-cache-memory sizes, each run in turn (0: none), e.g. 0,32MB."),
+    evict_every: int = typer.Option(1, help=BENCH_EVICT_HELP),
     out: Optional[Path] = typer.Option(None, help="Write the rows as JSON to this file."),
 ):
     """Requests/s, tokens/s, latency and time to first token of a server per method, same KV memory."""
     cap, names, parsed = (parse_bytes(kv_memory), distinct(split_list(methods), "methods"),
                           parse_budgets([budget], min_tokens)[0])
-    if min(clients, requests, prompt_tokens, max_tokens, documents) < 1:
-        raise D2OError("clients, requests, prompt-tokens, max-tokens and documents must be at least 1")
+    if min(clients, requests, prompt_tokens, max_tokens, documents, evict_every) < 1:
+        raise D2OError("clients, requests, prompt-tokens, max-tokens, documents and evict-every must be at least 1")
     if workload not in SERVE_WORKLOADS:
         raise D2OError(f"workload {workload!r} must be one of {', '.join(SERVE_WORKLOADS)}")
     if not 1 <= questions <= 8:
@@ -603,12 +611,12 @@ def bench_serve(
     check_length(net, prompt_tokens, max_tokens)  # else every request is refused, and the table is NaN
     for name, (method, method_budget) in zip(names, chosen):
         need = plan(net.config, method, method_budget, prompt_tokens, max_tokens,
-                    next(net.parameters()).element_size()).peak_bytes
+                    next(net.parameters()).element_size(), evict_every=evict_every).peak_bytes
         if need > cap:
             raise D2OError(f"--kv-memory {kv_memory} holds not one {prompt_tokens} + {max_tokens}-token request "
                            f"under {name} (it needs {need:,} bytes)")
     rows = run(net, tokenizer, [(name, budget) for name in names], cap, clients, requests, prompt_tokens, max_tokens,
-               min_tokens, workload, documents, questions, prefix_sizes)
+               min_tokens, workload, documents, questions, prefix_sizes, evict_every)
     print(markdown(rows))
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -141,9 +141,9 @@ def workload(tokenizer, kind: str, requests: int, prompt_tokens: int, documents:
 def bench_serve(model, tokenizer, methods: list[tuple[str, str]], kv_memory: int, clients: int = 8,
                 requests: int = 16, prompt_tokens: int = 1000, max_tokens: int = 64,
                 min_tokens: int | None = None, kind: str = "prompts", documents: int = 4, questions: int = 8,
-                prefix_cache: tuple[int, ...] = (0,)) -> list[dict]:
+                prefix_cache: tuple[int, ...] = (0,), evict_every: int = 1) -> list[dict]:
     """One row per (method, budget, prefix cache bytes): throughput, latency, memory and (documents,
-    chat) the answers' score under ``kv_memory``."""
+    chat) the answers' score under ``kv_memory``; the servers evict in batches of ``evict_every`` steps."""
     conversations = workload(tokenizer, kind, requests, prompt_tokens, documents, questions)
     generate(model, tokenizer, "Hello", "full", 1.0, max_new_tokens=2)  # warm up, outside the timings
     rows = []
@@ -151,7 +151,7 @@ def bench_serve(model, tokenizer, methods: list[tuple[str, str]], kv_memory: int
         for prefix_bytes in prefix_cache:
             config = ServeConfig(method=method, budget=budget, min_tokens=min_tokens, kv_memory=kv_memory,
                                  max_queue=max(requests, len(conversations) * questions),
-                                 prefix_cache_memory=prefix_bytes)
+                                 prefix_cache_memory=prefix_bytes, evict_every=evict_every)
             engine = Engine(model, tokenizer, config)
             queue = [replace(c, method=method, budget=budget) for c in conversations]
             try:

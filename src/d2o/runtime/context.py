@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from d2o.budget import Budget
+from d2o.budget import EVICT_EVERY, Budget
 from d2o.engine.cache import CompressedCache
 from d2o.engine.report import CacheReport
 from d2o.errors import D2OError
@@ -186,7 +186,7 @@ class CompressedContext:
 
 def compress(model, tokenizer, context: str | list[dict], method: str | Method = DEFAULT_METHOD,
              budget: Budget | str | float = 0.2, *, chat: bool = False, min_tokens: int | None = None,
-             evict_every: int = 1, **method_options) -> CompressedContext:
+             evict_every: int = EVICT_EVERY, **method_options) -> CompressedContext:
     """Prefill ``context`` and compress it to ``budget`` with ``method``, with no question in sight.
 
     ``context``: a text, or (``chat=True``) a conversation (a list of messages; a text is one user
@@ -208,7 +208,7 @@ def compress(model, tokenizer, context: str | list[dict], method: str | Method =
 
 def compress_ids(model, tokenizer, ids: list[int], method: Method, budget: Budget, *, name: str | None = None,
                  options: dict | None = None, conversation: list[dict] | None = None,
-                 evict_every: int = 1) -> CompressedContext:
+                 evict_every: int = EVICT_EVERY) -> CompressedContext:
     """``compress`` of token ids, with a method object and a parsed budget (checked against each
     other: ``resolve``); ``conversation``: the messages ``ids`` are, if they are a conversation."""
     check_asks_later(method)

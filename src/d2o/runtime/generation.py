@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from d2o.budget import Budget
+from d2o.budget import EVICT_EVERY, Budget
 from d2o.engine.cache import CompressedCache
 from d2o.engine.report import CacheReport
 from d2o.errors import D2OError
@@ -71,7 +71,7 @@ def generate(
     seed: int | None = None,
     stop: tuple[str, ...] = (),
     min_tokens: int | None = None,
-    evict_every: int = 1,
+    evict_every: int = EVICT_EVERY,
     **method_options,
 ) -> Generation:
     """Answer ``prompts`` (one string or a batch) with ``method`` holding the cache to ``budget``.
@@ -81,7 +81,7 @@ def generate(
     from ``seed``). An answer ends at the model's end-of-sequence token, at a ``stop`` string, or
     after ``max_new_tokens``.
     ``min_tokens``: the floor under a ratio budget (``d2o.budget.MIN_TOKENS`` by default).
-    ``evict_every``: evict in batches of that many decode steps (``CompressedCache``).
+    ``evict_every``: evict in batches of that many decode steps (``CompressedCache``; 1: at every step).
     """
     method, budget = resolve(method, budget, min_tokens, **method_options)
     sampling = Sampling(temperature, top_p, seed, top_k)

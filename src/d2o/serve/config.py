@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from d2o.budget import Budget
+from d2o.budget import EVICT_EVERY, Budget
 from d2o.errors import D2OError
 
 @dataclass(frozen=True)
@@ -24,7 +24,7 @@ class ServeConfig:
     attention: str = "sdpa"
     device_map: str | None = None
     prefix_cache_memory: int = 0  # bytes of --kv-memory for compressed prefixes (0: no prefix cache)
-    evict_every: int = 1  # evict in batches of decode steps (CompressedCache's)
+    evict_every: int = EVICT_EVERY  # evict in batches of decode steps (CompressedCache's)
 
     def check(self):
         """Refuse bad options before anything heavy loads (the method and budget too); returns the
