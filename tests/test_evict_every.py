@@ -132,3 +132,18 @@ def test_the_logit_bias_kept_in_place_is_the_one_made_afresh(method, k):
             assert torch.equal(layer.logit_bias(torch.float32), fresh[:, :, None, :])
             checked += 1
     assert checked >= 10 * 2
+
+
+def test_chunks_fed_after_compression_are_evicted_back_to_budget_plus_k_not_left_as_holes():
+    """A multi-token input (a perplexity chunk, a question) is appended, then the layer is gathered
+    back to its budget with k empty slots: its width stays budget + k however many chunks come."""
+    model, k = tiny_model("llama"), 8
+    cache = make_cache(model, "d2o", 0.25)
+    cache.evict_every = k
+    with torch.inference_mode():
+        model(input_ids=random_ids(96, seed=3), cache=cache)
+        for chunk in range(6):
+            model(input_ids=random_ids(24, seed=10 + chunk), cache=cache)
+            for layer in cache.layers:
+                assert int(layer.n_kept[0]) == int(layer.budget[0])
+                assert layer.keys.shape[2] == int(layer.budget[0]) + k

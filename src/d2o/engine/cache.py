@@ -494,7 +494,9 @@ class CompressedCache(Cache):
             layer.drop(victim, rows)
         else:
             keep, keep_valid = select_kept(scores, protected, layer.token_index, target)
-            in_place = in_place and layer.owns_storage
+            # In place only after a pass of one token (a decode step): the next ones fill the emptied
+            # slots. A longer input was appended; the kept slots are gathered, k empty ones after them.
+            in_place = in_place and layer.owns_storage and layer.written is not None
             if merge is not None or in_place:
                 slots, valid = evicted_slots(layer.valid, keep, keep_valid, target)
             if merge is not None:
