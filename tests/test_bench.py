@@ -264,12 +264,13 @@ def test_throughput_of_rows_not_from_bench_decode_is_one_line_and_exit_code_2(ro
 
 
 def test_between_evictions_a_step_costs_at_most_a_third_more_operations_than_the_full_cache():
-    """Thirty layers, as SmolLM2: with eviction every 8 steps a D2O or d2o-plus step between evictions
-    writes its token, attends and accumulates, and no more (counted by dispatched operations)."""
+    """Thirty layers, as SmolLM2: with eviction every 8 steps a step between evictions writes its token,
+    attends and accumulates (D2O, d2o-plus) or only attends (StreamingLLM), and no more (counted by
+    dispatched operations)."""
     deep = tiny_model("llama", num_hidden_layers=30)
-    rows = bench_decode(deep, None, ["full", "d2o", "d2o-plus"], [300], [1], Budget(ratio=0.2, min_tokens=0),
-                        steps=18, evict_every=(1, 8))
+    rows = bench_decode(deep, None, ["full", "d2o", "d2o-plus", "streamingllm"], [300], [1],
+                        Budget(ratio=0.2, min_tokens=0), steps=18, evict_every=(1, 8))
     ops = {(row["method"], row["evict_every"]): row["ops_per_step"] for row in rows}
     full = ops[("full", "-")]
-    for method in ("d2o", "d2o-plus"):
+    for method in ("d2o", "d2o-plus", "streamingllm"):
         assert ops[(method, 8)] <= 1.3 * full < ops[(method, 1)], ops

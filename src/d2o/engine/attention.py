@@ -30,6 +30,7 @@ from d2o.errors import D2OError
 # Model families whose attention calls `cache.update` then the registered attention function on
 # unrepeated KV heads, with keys after RoPE (checked in the tests with tiny random models).
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+NO_STATISTICS = StatsRequest()
 ATTENTION_NAMES = {backend: HOOK_PREFIX + backend for backend in ("sdpa", "eager")}
 HOOK_ATTRIBUTE = "_d2o_end_of_forward"  # on the decoder: the handle of the forward hook
 STOCK_ATTRIBUTE = "_d2o_stock_attention"  # on the model: the implementation install replaced
@@ -57,11 +58,13 @@ def _make_attention(backend: str):
             layer.admit(new_valid)
             if layer.observing:
                 request = layer.cache.policy.stats_request(layer, n_query)
-            if request is not None and n_query == 1 and window is None and request.visible is None:
-                # A decode step whose statistics are wanted: its probabilities give them for free.
+            if layer.observing and n_query == 1 and window is None and (request is None or request.visible is None):
+                # A decode step of a layer that evicts: one product with the keys plus the layer's logit bias
+                # (no mask to build, nothing to ask the device); its probabilities give the statistics.
                 output, stats = _one_query_attention(query, key, value, layer.logit_bias(_work_dtype(query)),
-                                                     new_valid, scaling, request)
-                _observe(layer, request, _with_queries(stats, request, layer, query, scaling))
+                                                     new_valid, scaling, request or NO_STATISTICS)
+                if request is not None:
+                    _observe(layer, request, _with_queries(stats, request, layer, query, scaling))
                 return output, None
             kv_valid = layer.valid  # (B, G, N)
             positions = layer.token_index
