@@ -78,10 +78,7 @@ def generate(
             raise D2OError("give exactly one of --prompt and --prompt-file (or a --context-file and --question)")
         text = prompt if prompt is not None else read_text_file(prompt_file)
     parsed_budget, options = parse_budgets([budget or "0.2"], min_tokens)[0], parse_options(option)
-    if max_new_tokens < 1:
-        raise D2OError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-    if evict_every < 1:
-        raise D2OError(f"evict_every must be at least 1, got {evict_every}")
+    at_least_one(max_new_tokens=max_new_tokens, evict_every=evict_every)
     given = [name for name, value in (("--temperature", temperature), ("--top-p", top_p), ("--top-k", top_k),
                                       ("--seed", seed)) if value is not None]
     if given and not sample:  # decoding would be greedy: the options would be silently ignored

@@ -384,11 +384,11 @@ class CompressedCache(Cache):
         layers = [self.layers[index] for index in self.compressible]
         if not layers:  # every layer slides (the full cache of such a model)
             return
-        batched = decoding and self.evict_every > 1
         added, self._seen_at_check = self.layers[0].seen - self._seen_at_check, self.layers[0].seen
-        if batched and added <= self._quiet:  # no row can have reached budget + evict_every yet
+        if not self.may_evict_after(added):  # no row can have reached budget + evict_every yet
             self._quiet -= added
             return
+        batched = decoding and self.evict_every > 1
         kept = torch.stack([layer.n_kept for layer in layers])
         limit = self._limit(torch.stack([layer.budget for layer in layers]),
                             torch.stack([layer.real_seen for layer in layers]))

@@ -140,6 +140,28 @@ class Vacancies:
         return len(self.slots) - self.taken
 
 
+def _defines_bias(name: str) -> property:
+    """A layer's tensor the logit bias is made from (token indices, log weights): a new tensor drops
+    the bias (in-place changes update it or drop it themselves)."""
+    private = "_" + name
+
+    def get(layer):
+        return getattr(layer, private)
+
+    def set_(layer, value):
+        setattr(layer, private, value)
+        layer._bias = None
+
+    return property(get, set_)
+
+
+def _with_empty_slots(tensor: torch.Tensor, count: int, fill) -> torch.Tensor:
+    """``tensor`` (B, G, N, ...) with ``count`` more slots holding ``fill`` (itself when none)."""
+    if count <= 0:
+        return tensor
+    return torch.cat([tensor, tensor.new_full((*tensor.shape[:2], count, *tensor.shape[3:]), fill)], dim=2)
+
+
 def _map_field(value, fn):
     if isinstance(value, torch.Tensor):
         return fn(value)
@@ -155,23 +177,8 @@ class CompressedLayer(CacheLayerMixin):
     is_sliding = False
     _bias: torch.Tensor | None = None
 
-    # Token indices and log weights define the logit bias; a new tensor for either drops it (in-place
-    # changes update it or drop it themselves).
-    @property
-    def token_index(self) -> torch.Tensor | None:
-        return self._token_index
-
-    @token_index.setter
-    def token_index(self, value: torch.Tensor | None) -> None:
-        self._token_index, self._bias = value, None
-
-    @property
-    def log_weight(self) -> torch.Tensor | None:
-        return self._log_weight
-
-    @log_weight.setter
-    def log_weight(self, value: torch.Tensor | None) -> None:
-        self._log_weight, self._bias = value, None
+    token_index = _defines_bias("token_index")
+    log_weight = _defines_bias("log_weight")
 
     def __init__(self, cache: CompressedCache, layer_idx: int, window: int | None = None):
         super().__init__()
@@ -249,9 +256,8 @@ class CompressedLayer(CacheLayerMixin):
         else:
             self.keys = torch.cat([self.keys, key_states], dim=-2)
             self.values = torch.cat([self.values, value_states], dim=-2)
-            self.written = None
+            self.written = self.vacancies = None
             self.owns_storage = True
-        self.vacancies = self.vacancies if written is not None else None
         _active.layer = self
         return self.keys, self.values
 
@@ -372,10 +378,7 @@ class CompressedLayer(CacheLayerMixin):
         weights = [layer.weights() for layer in layers] if weighted else None
 
         def padded(tensor: torch.Tensor, fill) -> torch.Tensor:
-            missing = width - tensor.shape[2]
-            if not missing:
-                return tensor
-            return torch.cat([tensor, tensor.new_full((*tensor.shape[:2], missing, *tensor.shape[3:]), fill)], dim=2)
+            return _with_empty_slots(tensor, width - tensor.shape[2], fill)
 
         # A kind of state one side has not made yet (a method may add one late: D2O's merge counts
         # appear at its first merge) is zeros there, as for a new token.
@@ -459,11 +462,7 @@ class CompressedLayer(CacheLayerMixin):
         if self.written is not None:
             self._token_index.scatter_(2, self.written, index[:, None, :].expand(batch, heads, 1))
             if not self._zeroed:
-                rows = self.rows_of(self.written)
-                for state in self.slot_state.values():
-                    _flat(state).index_fill_(0, rows, 0)
-                if self.log_weight is not None:
-                    self._log_weight.view(-1).index_fill_(0, rows, 0)
+                self._clear_state(self.rows_of(self.written))
             self._bias = None
         else:
             self.token_index = torch.cat([self.token_index, index[:, None, :].expand(batch, heads, q)], dim=2)
@@ -558,14 +557,19 @@ class CompressedLayer(CacheLayerMixin):
             self._bias = None
             self.vacancies = None
 
+    def _clear_state(self, rows: torch.Tensor) -> None:
+        """Zero the method's state and the log weight of the slots at ``rows`` of the flat views, in
+        place (the logit bias is left to the caller)."""
+        for state in self.slot_state.values():
+            _flat(state).index_fill_(0, rows, 0)
+        if self._log_weight is not None:
+            self._log_weight.view(-1).index_fill_(0, rows, 0)
+
     def _vacate(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """The slots (B, G, E) (``rows`` of the flat views), just emptied in every row and head, become
         the vacancies the next tokens take: what they held of the method's state and their log weight
         is zeroed now (a token written there starts from nothing) and the logit bias masks them."""
-        for state in self.slot_state.values():
-            _flat(state).index_fill_(0, rows, 0)
-        if self.log_weight is not None:
-            self._log_weight.view(-1).index_fill_(0, rows, 0)  # in place: the bias is updated below
+        self._clear_state(rows)  # in place: the bias is updated below
         if self._bias is not None:
             self._bias.view(-1).index_fill_(0, rows, torch.finfo(self._bias.dtype).min)
         self.vacancies = Vacancies.of(slots, self.real_seen, self.keys.shape[-1], self.values.shape[-1])
@@ -585,12 +589,10 @@ class CompressedLayer(CacheLayerMixin):
         slot_state = {name: take_slots(state, keep) for name, state in self.slot_state.items()}
         log_weight = None if self.log_weight is None else take_slots(self.log_weight, keep)
         if slack:
-            def padded(tensor: torch.Tensor, fill) -> torch.Tensor:
-                return torch.cat([tensor, tensor.new_full((*tensor.shape[:2], slack, *tensor.shape[3:]), fill)], dim=2)
-
-            keys, values, token_index = padded(keys, 0), padded(values, 0), padded(token_index, -1)
-            slot_state = {name: padded(state, 0) for name, state in slot_state.items()}
-            log_weight = None if log_weight is None else padded(log_weight, 0)
+            keys, values = _with_empty_slots(keys, slack, 0), _with_empty_slots(values, slack, 0)
+            token_index = _with_empty_slots(token_index, slack, -1)
+            slot_state = {name: _with_empty_slots(state, slack, 0) for name, state in slot_state.items()}
+            log_weight = None if log_weight is None else _with_empty_slots(log_weight, slack, 0)
         self.keys, self.values, self.token_index, self.log_weight = keys, values, token_index, log_weight
         self.slot_state = slot_state
         self.owns_storage = True
