@@ -223,8 +223,7 @@ class Engine:
             batch = self._from_prefix(job) if self.prefixes is not None else None
             if batch is None:
                 cache = CompressedCache(self.model, job.method, job.budget, evict_every=self.evict_every)
-                batch = Batch.prefill(self.model, cache, [job.ids],
-                                      [job.sequence])
+                batch = Batch.prefill(self.model, cache, [job.ids], [job.sequence])
             job.peaks = peak_slots(batch.cache, job.sequence.max_new_tokens)[0]
         except D2OError as error:  # e.g. a ratio too small for a short prompt without a floor
             return self._settle(job, APIError(400, str(error), "kv_budget"), "failed")
