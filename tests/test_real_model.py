@@ -56,3 +56,20 @@ def test_a_short_chat_question_keeps_its_answer_at_the_default_budget(monkeypatc
     assert "Paris" in result["text"]
     assert result["budget"] == "0.2" and result["min_tokens"] == 128 and result["floor_layers"] == 30
     assert result["kv_tokens_kept"] == result["kv_tokens_full"]
+
+
+def test_quantized_keys_and_values_keep_the_passkey_in_a_fraction_of_the_bytes(real_model, passkey):
+    model, tokenizer = real_model
+    plain = generate(model, tokenizer, passkey.text, "full", 1.0, max_new_tokens=8)
+    eight = generate(model, tokenizer, passkey.text, "full", 1.0, max_new_tokens=8, kv_bits=8)
+    assert eight.texts == plain.texts  # greedy answers equal at 8 bits
+    four = generate(model, tokenizer, passkey.text, "d2o-plus", 0.2, max_new_tokens=8, kv_bits=4)
+    assert passkey_score(four.texts[0], passkey.key) == 1.0, four.texts[0]
+    report = four.report
+    parts = report.kv_parts
+    assert report.kv_bytes == sum(parts.values())
+    # Per token and KV head 32 bytes of levels and 8 of steps and zero points, against 256 in float32.
+    # After 7 decode steps each layer holds budget + 7 tokens in budget + 8 slots (evicting every 8).
+    slots = sum(layer.kept[0] + 1 for layer in report.layers)
+    assert parts["levels"] == slots * 3 * 2 * 32 and parts["scales"] == slots * 3 * 2 * 8
+    assert report.kv_bytes < 0.07 * report.kv_bytes_full

@@ -17,7 +17,7 @@ import typer
 from d2o.bench import FIT_MAX_BATCH, SERVE_WORKLOADS, check_fit_generate
 from d2o.budget import EVICT_EVERY, Budget, parse_budgets
 from d2o.errors import D2OError
-from d2o.options import distinct, option_texts, parse_bytes, parse_options, split_list
+from d2o.options import check_kv_bits, distinct, option_texts, parse_bytes, parse_options, split_list
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Long-context inference under a KV-cache budget.")
 bench_app = typer.Typer(no_args_is_help=True, help="Speed and memory, measured side by side in one run.")
@@ -29,6 +29,8 @@ FLOOR_HELP = "Under a ratio budget, no layer is brought below min(tokens seen, N
 BENCH_EVICT_HELP = ("Evict in batches: a layer runs up to k-1 tokens over its budget (benchmarks evict at every "
                     "step unless told, as the committed tables; d2o generate and serve evict every 8).")
 EVICT_HELP = "Evict in batches: a layer runs up to k-1 tokens over its budget (1: evict at every step)."
+KV_BITS_HELP = ("Store kept keys and values at 8, 4 or 2 bits (per token, groups of 32 channels; the newest 32 tokens "
+                "also in full precision) \\[default: none, the model's dtype].")
 
 
 @app.command()
@@ -50,6 +52,7 @@ def generate(
     min_tokens: Optional[int] = typer.Option(None, help=FLOOR_HELP),
     max_new_tokens: int = typer.Option(64, help="Tokens to generate."),
     evict_every: int = typer.Option(EVICT_EVERY, help=EVICT_HELP),
+    kv_bits: Optional[str] = typer.Option(None, help=KV_BITS_HELP),
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template."),
     sample: bool = typer.Option(False, "--sample", help="Sample instead of greedy decoding."),
     temperature: Optional[float] = typer.Option(None, help="With --sample: the softmax temperature \\[default: 1.0]."),
@@ -79,6 +82,9 @@ def generate(
         text = prompt if prompt is not None else read_text_file(prompt_file)
     parsed_budget, options = parse_budgets([budget or "0.2"], min_tokens)[0], parse_options(option)
     at_least_one(max_new_tokens=max_new_tokens, evict_every=evict_every)
+    bits = check_kv_bits(kv_bits)
+    if bits is not None and load_context is not None:
+        raise D2OError("--kv-bits goes with compressing: a saved context keeps the bits it was saved with")
     given = [name for name, value in (("--temperature", temperature), ("--top-p", top_p), ("--top-k", top_k),
                                       ("--seed", seed)) if value is not None]
     if given and not sample:  # decoding would be greedy: the options would be silently ignored
@@ -91,7 +97,7 @@ def generate(
     if context_mode:
         questions = list(question) + (read_questions(questions_file) if questions_file is not None else [])
         answer_context(model, dtype, attention, text, questions, method, parsed_budget, options, chat, save_context,
-                       load_context, max_new_tokens, sampling, layers, as_json, evict_every)
+                       load_context, max_new_tokens, sampling, layers, as_json, evict_every, bits)
         return
 
     from d2o.runtime.generation import generate as run
@@ -100,7 +106,7 @@ def generate(
     chosen, parsed_budget = resolve(method or "d2o", parsed_budget, **options)  # before the model loads
     net, tokenizer = load(model, dtype=dtype, attention=attention)
     result = run(net, tokenizer, text, chosen, parsed_budget, max_new_tokens=max_new_tokens, chat=chat,
-                 evict_every=evict_every, **sampling)
+                 evict_every=evict_every, kv_bits=bits, **sampling)
     report = result.report
     if as_json:
         summary = report.as_dict()
@@ -151,7 +157,7 @@ def read_questions(path: Path) -> list[str]:
 
 
 def answer_context(model, dtype, attention, text, questions, method, budget, options, chat, save_context,
-                   load_context, max_new_tokens, sampling, layers, as_json, evict_every) -> None:
+                   load_context, max_new_tokens, sampling, layers, as_json, evict_every, kv_bits) -> None:
     """Compress (or load) the context, save it if asked, answer the questions as one batch (a loaded
     context evicts as it was saved to)."""
     from d2o.runtime.context import DEFAULT_METHOD, check_asks_later, compress
@@ -164,7 +170,7 @@ def answer_context(model, dtype, attention, text, questions, method, budget, opt
     net, tokenizer = load(model, dtype=dtype, attention=attention)
     if load_context is None:
         context = compress(net, tokenizer, text, method or DEFAULT_METHOD, budget, chat=chat, evict_every=evict_every,
-                           **options)
+                           kv_bits=kv_bits, **options)
     else:
         context = load_saved(load_context, net, tokenizer)
     if save_context is not None:
@@ -206,6 +212,7 @@ def serve(
         "0", help="Of --kv-memory, the bytes kept for compressed prefixes (a chat's earlier turns, a shared "
                   "document), reused by the requests that begin with them; 0: none."),
     evict_every: int = typer.Option(EVICT_EVERY, help=EVICT_HELP),
+    kv_bits: Optional[str] = typer.Option(None, help=KV_BITS_HELP),
 ):
     """An OpenAI-compatible server: continuous batching, admission by KV memory (see docs/guides/serving.md)."""
     from d2o.serve.config import ServeConfig
@@ -213,7 +220,8 @@ def serve(
     config = ServeConfig(model=model, method=method, budget=budget, min_tokens=min_tokens,
                          kv_memory=parse_bytes(kv_memory), max_queue=max_queue, max_tokens=max_tokens, dtype=dtype,
                          attention=attention, device_map=device_map,
-                         prefix_cache_memory=memory_or_none(prefix_cache_memory), evict_every=evict_every)
+                         prefix_cache_memory=memory_or_none(prefix_cache_memory), evict_every=evict_every,
+                         kv_bits=check_kv_bits(kv_bits))
     if replicas < 0:
         raise D2OError(f"replicas must be >= 0, got {replicas}")
     config.check()  # before the model loads
@@ -286,6 +294,7 @@ def evaluate(
     option: list[str] = typer.Option([], "--option", help="A method option METHOD.NAME=VALUE (repeatable)."),
     evict_every: int = typer.Option(1, help="Evict in batches: a layer runs up to k-1 tokens over its budget "
                                     "(the methods evict at every step, as their papers, unless told)."),
+    kv_bits: Optional[str] = typer.Option(None, help=KV_BITS_HELP),
 ):
     """Evaluate methods x budgets on a task; writes samples.jsonl, summary.csv/.md and plots to OUT."""
     from d2o.eval.sweep import EvalConfig, check_config, run_eval
@@ -300,7 +309,7 @@ def evaluate(
     config = EvalConfig(
         task=task, model=model, methods=split_list(methods), budgets=split_list(budgets), limit=limit, seed=seed,
         out=str(out), shared_prefill=not separate_prefill, dtype=dtype, attention=attention, min_tokens=min_tokens,
-        protocol=protocol, evict_every=evict_every,
+        protocol=protocol, evict_every=evict_every, kv_bits=check_kv_bits(kv_bits),
         task_options=option_texts(task_option, "--task-option"), method_options=method_options,  # typed by the task
     )
     check_config(config)  # before torch loads
@@ -429,6 +438,8 @@ def bench_decode(
     repeats: int = typer.Option(1, help="Runs of --steps steps; the median step of all is reported."),
     evict_every: str = typer.Option("1", help="Comma-separated: evict in batches of k decode steps, each k a run "
                                     "(1: at every step, the committed tables; d2o generate and serve evict every 8)."),
+    kv_bits: str = typer.Option("none", help="Comma-separated: store the compressed caches' keys and values at "
+                                "8, 4 or 2 bits, each a run (none: the model's dtype)."),
     model: str = MODEL, shape: Optional[str] = SHAPE, positions: Optional[int] = POSITIONS,
     dtype: str = DTYPE, device: Optional[str] = DEVICE, out: Path = OUT,
 ):
@@ -438,6 +449,7 @@ def bench_decode(
                             split_list(lengths, int))
     batches, every = split_list(batch, int), distinct(tuple(split_list(evict_every, int)), "evict-every values")
     at_least_one(lengths=sizes, batch=batches, steps=steps, repeats=repeats, evict_every=every)
+    widths = distinct(tuple(check_kv_bits(bits) for bits in split_list(kv_bits)), "kv-bits values")
     check_device(device)
     check_shape(model, shape, positions)
     check_out(out)
@@ -447,9 +459,9 @@ def bench_decode(
     from d2o.bench.output import emit
 
     net, tokenizer = bench_model(model, shape, positions or max(sizes) + steps + 1, dtype, device, names, parsed)
-    rows = run(net, tokenizer, names, sizes, batches, parsed, steps, repeats, evict_every=every)
+    rows = run(net, tokenizer, names, sizes, batches, parsed, steps, repeats, evict_every=every, kv_bits=widths)
     setting = dict(model=shape or model, dtype=dtype, budget=str(parsed), min_tokens=parsed.min_tokens, steps=steps,
-                   repeats=repeats, evict_every=list(every))
+                   repeats=repeats, evict_every=list(every), kv_bits=list(widths))
     emit(rows, f"Decoding: {shape or model}, {dtype}, budget {parsed.described}, median step of {repeats} x {steps}",
          "decode", out, setting)
     plots.decode_plots(rows, out)
@@ -465,6 +477,8 @@ def bench_fit(
     max_batch: int = typer.Option(FIT_MAX_BATCH, help="No batch grows past this many rows, whatever the cap holds."),
     min_tokens: Optional[int] = typer.Option(None, help=FLOOR_HELP),
     evict_every: int = typer.Option(1, help=BENCH_EVICT_HELP),
+    kv_bits: str = typer.Option("none", help="Comma-separated: the compressed methods also with keys and values "
+                                "at 8, 4 or 2 bits, each a row (none: the model's dtype only)."),
     model: str = MODEL, shape: Optional[str] = SHAPE, positions: Optional[int] = POSITIONS,
     dtype: str = DTYPE, device: Optional[str] = DEVICE, out: Path = OUT,
 ):
@@ -473,6 +487,7 @@ def bench_fit(
     cap, names, parsed = (parse_bytes(kv_memory), distinct(split_list(methods), "methods"),
                           parse_budgets([budget], min_tokens)[0])
     at_least_one(prompt=prompt, max_batch=max_batch, evict_every=evict_every)
+    widths = distinct(tuple(check_kv_bits(bits) for bits in split_list(kv_bits)), "kv-bits values")
     check_fit_generate(generate)
     check_device(device)
     check_shape(model, shape, positions)
@@ -484,7 +499,7 @@ def bench_fit(
 
     net, tokenizer = bench_model(model, shape, positions or prompt + generate + 1, dtype, device, names, parsed)
     rows = run(net, tokenizer, cap, prompt, generate, names, parsed, next(net.parameters()).element_size(), max_batch,
-               evict_every)
+               evict_every, widths)
     stopped = [row["method"] for row in rows if row["batch"] == max_batch]
     if stopped:  # not the cap's measure: said, so that the ratios are not read as the cap's
         typer.echo(f"{', '.join(stopped)}: the batch reached --max-batch {max_batch} rows before the KV cap "

@@ -88,3 +88,19 @@ def distinct(items: tuple, what: str) -> tuple:
     if twice:
         raise D2OError(f"{', '.join(map(str, twice))} given twice in {what}")
     return items
+
+
+KV_BITS = (8, 4, 2)  # the bit widths a cache stores keys and values at (engine/quantization)
+
+
+def check_kv_bits(bits) -> int | None:
+    """``kv_bits``/``--kv-bits``: 8, 4 or 2, or None (also "none") for the model's own dtype."""
+    if bits is None or (isinstance(bits, str) and bits.strip().lower() == "none"):
+        return None
+    try:
+        value = int(bits) if not isinstance(bits, bool) else None
+    except (TypeError, ValueError):
+        value = None
+    if value not in KV_BITS or (isinstance(bits, float) and bits != value):
+        raise D2OError(f"kv_bits={bits!r}: keys and values are stored at 8, 4 or 2 bits (or none: the model's dtype)")
+    return value

@@ -91,12 +91,13 @@ def _decode_in_turn(model, runs: dict[tuple[str, int], Batch]) -> None:
 
 def bench_decode(model, tokenizer, methods: list[str], lengths: list[int], batches: list[int], budget,
                  steps: int = 32, repeats: int = 1, alone: bool | None = None,
-                 evict_every: tuple[int, ...] = (1,)) -> list[dict]:
+                 evict_every: tuple[int, ...] = (1,), kv_bits: tuple[int | None, ...] = (None,)) -> list[dict]:
     """Per (length, batch, method): ms per decode step, tokens/s, KV bytes, the tensor operations of
     one decode step (counted apart from the timed runs; with ``steps`` >= 4), and each against the
     full cache measured in the same run. ``alone``: each method decodes alone, its peak memory
     measured (``peak_mib``; by default on a GPU), rather than in turn with the others.
-    ``evict_every``: each compressed method runs once per value (``CompressedCache``'s)."""
+    ``evict_every``, ``kv_bits``: each compressed method runs once per pair of values (``CompressedCache``'s;
+    ``kv_bits`` None: unquantized)."""
     policies = {name: get_method(name) for name in methods if name != FULL}
     for name, policy in policies.items():
         policy.check_budget(budget)
@@ -117,14 +118,16 @@ def bench_decode(model, tokenizer, methods: list[str], lengths: list[int], batch
             shared = SharedPrefill(model, list(policies.values()))
             first = Batch.prefill(model, shared.cache, [ids], [Sequence(None, 1)])
         names = list(policies)
-        variants = [(name, k) for name in methods for k in ((1,) if name == FULL else evict_every)]
+        variants = [(name, k, bits) for name in methods for k in ((1,) if name == FULL else evict_every)
+                    for bits in ((None,) if name == FULL else kv_bits)]
 
-        def start(variant: tuple[str, int], batch: int) -> Batch:
-            name, k = variant
+        def start(variant: tuple[str, int, int | None], batch: int) -> Batch:
+            name, k, bits = variant
             if name == FULL:
                 with stock_attention(model):
                     return _start(model, copy.deepcopy(stock), stock_first, batch, steps)
-            return _start(model, shared.fork(names.index(name), budget, evict_every=k), first, batch, steps)
+            return _start(model, shared.fork(names.index(name), budget, evict_every=k, kv_bits=bits), first, batch,
+                          steps)
 
         for batch in batches:
             step_seconds, held, peak = {variant: [] for variant in variants}, {}, {}
@@ -147,13 +150,15 @@ def bench_decode(model, tokenizer, methods: list[str], lengths: list[int], batch
             seconds = {variant: statistics.median(values) for variant, values in step_seconds.items()}
             operations = {variant: operations_per_step(model, variant[0], start(variant, batch), variant[1])
                           for variant in variants}
-            full = (FULL, 1)
+            full = (FULL, 1, None)
             for variant in variants:
-                name, k = variant
+                name, k, bits = variant
                 row = {"length": n_tokens, "batch": batch, "method": name,
                        "budget": "-" if name == FULL else str(budget)}
                 if len(evict_every) > 1 or evict_every != (1,):
                     row["evict_every"] = "-" if name == FULL else k
+                if kv_bits != (None,):
+                    row["kv_bits"] = bits or "-"
                 row |= {"ms_per_step": round(1000 * seconds[variant], 2),
                         "tokens_per_s": round(batch / seconds[variant], 1),
                         "kv_mib": round(held[variant] / 2**20, 3)}

@@ -30,7 +30,7 @@ from d2o.engine.cache import CompressedCache
 from d2o.errors import D2OError
 from d2o.methods import get_method
 from d2o.runtime.decoding import Batch, Sequence, seconds_since
-from d2o.runtime.memory import padded_bytes, peak_slots, plan, slot_bytes, slot_widths
+from d2o.runtime.memory import padded_bytes, peak_slots, plan, row_bytes, slot_bytes, slot_widths
 from d2o.runtime.prompts import check_length
 
 FULL = "full"
@@ -71,7 +71,7 @@ def _run_full(model, need, cap: int, max_batch: int, prompt_of, generate: int) -
 
 
 def _run_packed(model, method, budget, need, cap: int, max_batch: int, per_slot: list[int], prompt_of,
-                generate: int, evict_every: int = 1) -> Run:
+                generate: int, evict_every: int = 1, kv_bits=None, per_row: int = 0) -> Run:
     """A compressed cache: rows prefilled alone, compressed and joined while they fit (see above), at
     most ``max_batch`` of them."""
     decoding, peaks, planned, most, prefill_seconds = None, None, 0, 0, 0.0
@@ -79,15 +79,15 @@ def _run_packed(model, method, budget, need, cap: int, max_batch: int, per_slot:
         held = decoding.cache.nbytes if decoding else 0  # the rows wait, not decoding, while the next is prefilled
         if held + need.prefill_bytes > cap:
             break
-        cache = CompressedCache(model, method, budget, evict_every=evict_every)
+        cache = CompressedCache(model, method, budget, evict_every=evict_every, kv_bits=kv_bits)
         start = perf_counter()
         one, whole = _prefill_measured(model, cache, prompt_of(decoding.size if decoding else 0), generate)
-        seconds = seconds_since(start, cache.layers[0].keys.device)  # its compression included
+        seconds = seconds_since(start, cache.layers[0].device)  # its compression included
         widths = slot_widths(cache)
         if decoding:
             widths = [max(mine, theirs) for mine, theirs in zip(widths, slot_widths(decoding.cache))]
         joined = peak_slots(cache, generate) if peaks is None else torch.cat([peaks, peak_slots(cache, generate)])
-        bound = padded_bytes(widths, joined, per_slot)
+        bound = padded_bytes(widths, joined, per_slot, per_row)
         if bound > cap:  # with this row the batch would outgrow the cap while it decodes: left out
             break
         peaks, planned = joined, max(planned, held + need.prefill_bytes, bound)
@@ -144,11 +144,12 @@ def _warm_up(model, name: str, method, budget: Budget, ids: list[int]) -> None:
 
 
 def bench_fit(model, tokenizer, cap: int, prompt: int, generate: int, methods: list[str], budget: Budget,
-              dtype_bytes: int, max_batch: int = FIT_MAX_BATCH, evict_every: int = 1) -> list[dict]:
+              dtype_bytes: int, max_batch: int = FIT_MAX_BATCH, evict_every: int = 1,
+              kv_bits: tuple[int | None, ...] = (None,)) -> list[dict]:
     """Per method: the largest batch under ``cap`` (and at most ``max_batch`` rows: a cap far above
     the model's needs would otherwise build and decode millions of rows), its measured tokens/s and
     peak KV bytes, and the ratios to the full cache. ``evict_every``: the compressed caches' (their
-    plans count its slack slots)."""
+    plans count its slack slots); ``kv_bits``: each compressed method once per value (None: unquantized)."""
     check_length(model, prompt, generate)
     check_fit_generate(generate)
     prompt_of = row_prompts(tokenizer, model.config.get_text_config().vocab_size, prompt)
@@ -157,9 +158,10 @@ def bench_fit(model, tokenizer, cap: int, prompt: int, generate: int, methods: l
         method.check_budget(budget)
         _warm_up(model, name, method, budget, prompt_of(0)[:WARM_UP_TOKENS])
     rows = []
-    for name, method in chosen.items():
+    for name, bits in [(name, bits) for name in methods for bits in ((None,) if name == FULL else kv_bits)]:
+        method = chosen[name]
         need = plan(model.config, method, budget, prompt, generate, dtype_bytes, stock=name == FULL,
-                    evict_every=evict_every)
+                    evict_every=evict_every, kv_bits=bits)
 
         none_fit = D2OError(f"a KV cap of {cap:,} bytes holds not one {prompt}+{generate}-token sequence "
                             f"under {name} (it needs {need.peak_bytes:,})")
@@ -170,12 +172,13 @@ def bench_fit(model, tokenizer, cap: int, prompt: int, generate: int, methods: l
                 with stock_attention(model):
                     run = _run_full(model, need, cap, max_batch, prompt_of, generate)
             else:
-                per_slot = slot_bytes(model.config, dtype_bytes, method)
+                per_slot = slot_bytes(model.config, dtype_bytes, method, kv_bits=bits)
                 run = _run_packed(model, method, budget, need, cap, max_batch, per_slot, prompt_of, generate,
-                                  evict_every)
+                                  evict_every, bits, row_bytes(model.config, dtype_bytes, method, bits))
         if run.batch == 0:  # a row's plan bounds its peak, so this is not expected
             raise none_fit
-        rows.append({"method": name, "budget": "-" if name == FULL else str(budget), "batch": run.batch,
+        rows.append({"method": name, "budget": "-" if name == FULL else str(budget),
+                     **({"kv_bits": bits or "-"} if kv_bits != (None,) else {}), "batch": run.batch,
                      "planned_kv_mib": round(run.planned_bytes / 2**20, 1),
                      "peak_kv_mib": round(run.peak_bytes / 2**20, 1),
                      "decode_tokens_per_s": round(run.decode_tokens / run.decode_seconds, 1),

@@ -46,6 +46,13 @@ def _padding_mask(attention_mask=None, **_) -> torch.Tensor | None:
 def _make_attention(backend: str):
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         layer = claim_active_layer(key)
+        try:
+            return attend(layer, module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+        finally:
+            if layer is not None:
+                layer.settle()
+
+    def attend(layer, module, query, key, value, attention_mask, dropout, scaling, **kwargs):
         if attention_mask is not None and attention_mask.dim() != 2:
             raise D2OError("d2o's attention takes a 2D padding mask (batch, tokens), not a prepared 4D mask")
         batch, n_query, n_keys = query.shape[0], query.shape[2], key.shape[2]

@@ -19,6 +19,8 @@ from transformers.cache_utils import Cache
 
 from d2o.budget import UNLIMITED, Budget
 from d2o.engine.policy import Evicted, Policy, ProbePass
+from d2o.engine.quantization import KVQuantization
+from d2o.engine.quantized import QuantizedLayer
 from d2o.engine.report import CacheReport, LayerReport
 from d2o.engine.selection import evicted_slots, select_kept, select_victim
 from d2o.engine.stats import token_surprisal
@@ -84,26 +86,31 @@ class CompressedCache(Cache):
     """
 
     def __init__(self, model, policy: Policy, budget: Budget | str | float = 0.2, observe: bool | None = None,
-                 tokenizer=None, evict_every: int = 1):
+                 tokenizer=None, evict_every: int = 1, kv_bits: int | KVQuantization | None = None):
         """``observe``: compute the policy's statistics even under a budget that never evicts (a
         prefill that forks will share); by default only when something can be evicted, so that a
         budget of 1 runs the stock kernels alone. ``tokenizer``: the model's, for a method that
         writes text of its own into a probe (KVzip's "Repeat the previous context"); by default the
         one saved with the model (``config.name_or_path``). ``evict_every``: during decoding, a layer
         runs up to ``evict_every - 1`` tokens over its budget and is brought back to it, in one
-        pass, when a row reaches budget + ``evict_every`` (1: at every step)."""
+        pass, when a row reaches budget + ``evict_every`` (1: at every step). ``kv_bits``: store keys
+        and values at 8, 4 or 2 bits (or as a ``KVQuantization``, with its group size and residual);
+        None: in the model's dtype."""
         if isinstance(policy, str):
             raise D2OError(f"CompressedCache takes a method object, not the name {policy!r}: "
                            f"d2o.get_method({policy!r}) builds one")
         # A weak reference: a cache must not keep its model alive, nor be deep-copied with it.
         self._decoder = weakref.ref(model.get_decoder())
         self._tokenizer = tokenizer
-        self._setup(model.config.get_text_config(), policy, budget, observe, evict_every)
+        self._setup(model.config.get_text_config(), policy, budget, observe, evict_every, kv_bits)
 
-    def _setup(self, config, policy: Policy, budget, observe: bool | None = None, evict_every: int = 1) -> None:
+    def _setup(self, config, policy: Policy, budget, observe: bool | None = None, evict_every: int = 1,
+               kv_bits: int | KVQuantization | None = None) -> None:
         if not whole(evict_every) or evict_every < 1:
             raise D2OError(f"evict_every={evict_every!r} must be a whole number of steps >= 1")
         self.evict_every = evict_every
+        self.quantization = kv_bits if kv_bits is None or isinstance(kv_bits, KVQuantization) else \
+            KVQuantization(bits=kv_bits)
         self.config = config
         self.policy = policy
         self.budget = policy.budget_for(Budget.parse(budget))
@@ -112,7 +119,13 @@ class CompressedCache(Cache):
         self.kv_repeats = groups if policy.repeats_kv_heads else 1
         windows = sliding_windows(config)
         self.compressible = compressible_layers(windows, self.budget)
-        super().__init__(layers=[CompressedLayer(self, i, window) for i, window in enumerate(windows)])
+        if self.quantization is not None:
+            head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+            self.quantization.check(head_dim)
+            layers = [QuantizedLayer(self, i, window, self.quantization) for i, window in enumerate(windows)]
+        else:
+            layers = [CompressedLayer(self, i, window) for i, window in enumerate(windows)]
+        super().__init__(layers=layers)
         self._observe = observe
         self._start_observing()
         self.forwards = 0
@@ -132,7 +145,7 @@ class CompressedCache(Cache):
         self._prompt: list[tuple[torch.Tensor, torch.Tensor]] = []  # (ids, real) of each pass before it
 
     def fork(self, policy: Policy, budget, slot_prefix: str = "", state_of=None,
-             evict_every: int = 1) -> CompressedCache:
+             evict_every: int = 1, kv_bits: int | KVQuantization | None = None) -> CompressedCache:
         """A cache for ``policy`` at ``budget`` continuing from this one's tokens, compressed now if
         it is time. Key/value tensors are shared (compression writes new tensors, never into old
         ones); the slot state under ``slot_prefix`` becomes the new cache's own (copied, since
@@ -145,7 +158,7 @@ class CompressedCache(Cache):
                            f"{self.budget}")
         new = CompressedCache.__new__(CompressedCache)
         new._decoder, new._tokenizer = self._decoder, self._tokenizer
-        new._setup(self.config, policy, budget, evict_every=evict_every)
+        new._setup(self.config, policy, budget, evict_every=evict_every, kv_bits=kv_bits)
         new.probed = self.probed  # a policy combining the methods ran each one's probe into its slot state
         if new.kv_repeats != self.kv_repeats:
             raise D2OError(f"{policy.name} stores KV heads differently: it cannot share another method's prefill")
@@ -154,8 +167,11 @@ class CompressedCache(Cache):
         for mine, theirs in zip(self.layers, new.layers):
             if not mine.is_initialized:
                 continue
-            theirs.lazy_initialization(mine.keys, mine.values)
-            theirs.keys, theirs.values, theirs.token_index = mine.keys, mine.values, mine.token_index
+            keys, values = mine.attended()
+            theirs.lazy_initialization(keys, values)
+            theirs.adopt(keys, values)
+            mine.settle()
+            theirs.token_index = mine.token_index
             theirs.seen, theirs.real_seen = mine.seen, mine.real_seen
             mine.owns_storage = theirs.owns_storage = False
             theirs.slot_state = {
@@ -183,7 +199,7 @@ class CompressedCache(Cache):
     @property
     def batch_size(self) -> int:
         first = self.layers[0]
-        return first.keys.shape[0] if first.is_initialized else 0
+        return first.token_index.shape[0] if first.is_initialized else 0
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.select_rows(beam_idx)
@@ -256,7 +272,7 @@ class CompressedCache(Cache):
                 layer.held_window = None
             # Compress in the mode the passes ran in: inference tensors are written in place only in it.
             first = self.layers[0]
-            with torch.inference_mode(first.is_initialized and first.keys.is_inference()):
+            with torch.inference_mode(first.is_initialized and first.token_index.is_inference()):
                 self.compress()
 
     @property
@@ -367,6 +383,13 @@ class CompressedCache(Cache):
         bring every other layer over its budget back to it."""
         if not self.layers[0].is_initialized:
             return
+        try:
+            self._compress()
+        finally:
+            for layer in self.layers:
+                layer.settle()
+
+    def _compress(self) -> None:
         windowed = [layer for layer in self.layers if layer.window is not None]
         if windowed:
             kept = torch.stack([layer.n_kept for layer in windowed])  # (L, B)
@@ -466,6 +489,7 @@ class CompressedCache(Cache):
                 merging.append((layer, evicted))
             else:
                 layer.merged += chooser.merge.merge([layer], [evicted])[0]
+                layer.settle()  # a quantized layer's full-precision copy goes before the next is made
         if merging:
             merged_layers, evicted = zip(*merging)
             for layer, merged in zip(merged_layers, chooser.merge.merge(list(merged_layers), list(evicted))):
@@ -522,15 +546,15 @@ class CompressedCache(Cache):
         for layer in self.layers:
             if not layer.is_initialized:
                 continue
-            batch = layer.keys.shape[0]
+            batch = layer.token_index.shape[0]
             picked = list(range(batch)) if rows is None else list(rows)
 
             def pick(values: list) -> list:
                 return [values[row] for row in picked]
 
             # What a plain cache would hold: the model's own KV heads, never repeated.
-            heads, dim = self.config.num_key_value_heads, layer.keys.shape[-1]
-            bytes_per_token = heads * dim * (layer.keys.element_size() + layer.values.element_size())
+            heads = self.config.num_key_value_heads
+            bytes_per_token = heads * (layer.key_dim + layer.value_dim) * layer.dtype.itemsize
             budget = [None] * batch if layer.budget is None else [
                 None if b == UNLIMITED else b for b in self.limit(layer).tolist()]
             # What the stock cache holds: every fed token (padding included), or its window.
@@ -550,6 +574,8 @@ class CompressedCache(Cache):
                     state_bytes=layer.state_nbytes * len(picked) // batch,
                     kv_bytes_full=stock * len(picked) * bytes_per_token,
                     method={name: pick(values) for name, values in self.policy.report(layer).items()},
+                    kv_parts={name: count * len(picked) // batch
+                              for name, count in layer.nbytes_parts.items()},
                 )
             )
         held = not self.policy.keeps_everything

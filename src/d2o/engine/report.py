@@ -21,6 +21,9 @@ class LayerReport:
     kv_bytes_full: int
     state_bytes: int  # token indices and method state kept per slot, beside the keys and values
     method: dict[str, list[Any]] = field(default_factory=dict)  # the method's own diagnostics, per row
+    # Keys and values stored quantized: kv_bytes by part (packed levels, steps and zero points, the
+    # residual's full-precision tokens); empty when stored in the model's dtype.
+    kv_parts: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -52,6 +55,7 @@ class CacheReport:
                 **{name: [v for part in parts for v in getattr(part, name)] for name in PER_ROW},
                 **{name: sum(getattr(part, name) for part in parts) for name in BYTES},
                 method=merged,
+                kv_parts={name: sum(part.kv_parts[name] for part in parts) for name in parts[0].kv_parts},
             ))
         return cls(method=first.method, budget=first.budget, min_tokens=first.min_tokens, layers=layers)
 
@@ -70,6 +74,15 @@ class CacheReport:
     @property
     def kv_bytes_full(self) -> int:
         return sum(layer.kv_bytes_full for layer in self.layers)
+
+    @property
+    def kv_parts(self) -> dict[str, int]:
+        """kv_bytes by part, when keys and values are stored quantized (else empty)."""
+        totals: dict[str, int] = {}
+        for layer in self.layers:
+            for name, count in layer.kv_parts.items():
+                totals[name] = totals.get(name, 0) + count
+        return totals
 
     @property
     def state_bytes(self) -> int:
@@ -96,6 +109,7 @@ class CacheReport:
             "kv_bytes": self.kv_bytes,
             "kv_bytes_full": self.kv_bytes_full,
             "state_bytes": self.state_bytes,
+            "kv_parts": self.kv_parts,
             "layer_budgets": self.layer_budgets,
             "global_layers": self.global_layers,
             "layers": [layer.as_dict() for layer in self.layers],
@@ -112,6 +126,8 @@ class CacheReport:
         line = (f"{held}: {self.kv_tokens_kept} of {self.kv_tokens_full} KV tokens, "
                 f"{self.kv_bytes / 2**20:.2f} of {self.kv_bytes_full / 2**20:.2f} MiB "
                 f"(+{self.state_bytes / 2**20:.2f} MiB of token indices and scores)")
+        if self.kv_parts:
+            line += " - quantized: " + ", ".join(f"{name} {count / 2**20:.2f}" for name, count in self.kv_parts.items())
         if len(self.global_layers) < len(self.layers):
             line += f"; global layers {', '.join(map(str, self.global_layers))}, the others slide"
         if self.floor_layers:

@@ -47,11 +47,9 @@ HOOK_PREFIX = "d2o_"  # the attention implementations d2o registers are named d2
 
 def claim_active_layer(key: torch.Tensor) -> CompressedLayer | None:
     """The compressed layer whose ``update`` returned ``key``, or None if the cache is not d2o's."""
-    layer = getattr(_active, "layer", None)
-    _active.layer = None
-    if layer is None or layer.keys is not key:
-        return None
-    return layer
+    layer, returned = getattr(_active, "layer", None), getattr(_active, "key", None)
+    _active.layer = _active.key = None
+    return None if layer is None or returned is not key else layer
 
 
 @dataclass
@@ -224,9 +222,10 @@ class CompressedLayer(CacheLayerMixin):
     # -- transformers' layer interface --------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, heads, _, dim = key_states.shape
-        self.device = key_states.device
-        self.keys = key_states.new_empty((batch, heads, 0, dim))
-        self.values = value_states.new_empty((batch, heads, 0, value_states.shape[-1]))
+        self.device, self.dtype = key_states.device, key_states.dtype
+        self.key_dim, self.value_dim = dim, value_states.shape[-1]
+        self.adopt(key_states.new_empty((batch, heads, 0, dim)),
+                   value_states.new_empty((batch, heads, 0, self.value_dim)))
         self.token_index = torch.empty((batch, heads, 0), dtype=TOKEN_INDEX_DTYPE, device=self.device)
         self.real_seen = torch.zeros(batch, dtype=torch.long, device=self.device)
         self.merged = torch.zeros(batch, dtype=torch.long, device=self.device)
@@ -249,17 +248,46 @@ class CompressedLayer(CacheLayerMixin):
         self.pending = key_states.shape[-2]
         written = self._next_slot() if self.pending == 1 else None
         if written is not None:  # one token per row and KV head, into an empty slot: nothing is copied
-            slots, key_slots, value_slots = written
-            self.keys.scatter_(2, key_slots, key_states)
-            self.values.scatter_(2, value_slots, value_states)
-            self.written = slots
+            self._write(written, key_states, value_states)
+            self.written = written[0]
         else:
-            self.keys = torch.cat([self.keys, key_states], dim=-2)
-            self.values = torch.cat([self.values, value_states], dim=-2)
+            self._append(key_states, value_states)
             self.written = self.vacancies = None
             self.owns_storage = True
-        _active.layer = self
+        keys, values = self.attended()
+        _active.layer, _active.key = self, keys
+        return keys, values
+
+    # -- how keys and values are stored (a quantized layer stores them otherwise) -----------------
+    def _stored(self) -> dict[str, torch.Tensor]:
+        """The per-slot tensors the keys and values are stored as, each (B, G, N, ...): what slot
+        operations (gather, padding, rows) apply to."""
+        return {"keys": self.keys, "values": self.values}
+
+    def _store(self, stored: dict[str, torch.Tensor]) -> None:
+        self.keys, self.values = stored["keys"], stored["values"]
+
+    def adopt(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Hold ``keys`` and ``values`` (B, G, N, D) as the slots' (a fork holds its source's, shared)."""
+        self.keys, self.values = keys, values
+
+    def _write(self, written: tuple[torch.Tensor, ...], key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Write one token per row and KV head into the slots ``written`` (from ``_next_slot``)."""
+        _, key_slots, value_slots = written
+        self.keys.scatter_(2, key_slots, key_states)
+        self.values.scatter_(2, value_slots, value_states)
+
+    def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.keys = torch.cat([self.keys, key_states], dim=-2)
+        self.values = torch.cat([self.values, value_states], dim=-2)
+
+    def attended(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values the attention reads, (B, G, N, D)."""
         return self.keys, self.values
+
+    def settle(self) -> None:
+        """The layer's pass is over (its attention ran, or its eviction): a quantized layer drops the
+        full-precision copies it made for it."""
 
     def _next_slot(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Where one new token per row and KV head goes: its slots (B, G, 1) and those as indices into
@@ -281,8 +309,8 @@ class CompressedLayer(CacheLayerMixin):
             return None
         self._zeroed, self._prepared, self._bias_slots = False, None, free[:, :, None, :]
         batch, heads = free.shape[:2]
-        return (free, free[..., None].expand(batch, heads, 1, self.keys.shape[-1]),
-                free[..., None].expand(batch, heads, 1, self.values.shape[-1]))
+        return (free, free[..., None].expand(batch, heads, 1, self.key_dim),
+                free[..., None].expand(batch, heads, 1, self.value_dim))
 
     def free_slots(self) -> torch.Tensor | None:
         """(B, G, 1): the first empty slot of every row and KV head, or None if one has none (or the
@@ -333,7 +361,7 @@ class CompressedLayer(CacheLayerMixin):
         return self.seen
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        stored = 0 if self.keys is None else self.keys.shape[-2]
+        stored = 0 if self.token_index is None else self.token_index.shape[-1]
         return stored + query_length, self.seen - stored
 
     def get_max_length(self) -> int:
@@ -351,12 +379,13 @@ class CompressedLayer(CacheLayerMixin):
         """Keep (or repeat, or reorder) the rows ``index`` (1-D) of every per-row tensor and state."""
         if not self.is_initialized:
             return
-        index = torch.as_tensor(index, dtype=torch.long, device=self.keys.device)
+        index = torch.as_tensor(index, dtype=torch.long, device=self.device)
 
         def fn(tensor: torch.Tensor) -> torch.Tensor:
             return tensor.index_select(0, index)
 
-        self.keys, self.values, self.token_index = fn(self.keys), fn(self.values), fn(self.token_index)
+        self._store({name: fn(tensor) for name, tensor in self._stored().items()})
+        self.token_index = fn(self.token_index)
         self.real_seen, self.merged = fn(self.real_seen), fn(self.merged)
         if self.budget is not None:
             self.budget = fn(self.budget)
@@ -372,8 +401,8 @@ class CompressedLayer(CacheLayerMixin):
         """Append the rows of ``others`` (layers of caches of the same policy) to this layer's;
         storage is padded with empty slots to the widest."""
         layers = [self, *others]
-        rows = [layer.keys.shape[0] for layer in layers]
-        width = max(layer.keys.shape[2] for layer in layers)
+        rows = [layer.token_index.shape[0] for layer in layers]
+        width = max(layer.token_index.shape[2] for layer in layers)
         weighted = any(layer.log_weight is not None for layer in layers)
         weights = [layer.weights() for layer in layers] if weighted else None
 
@@ -388,8 +417,8 @@ class CompressedLayer(CacheLayerMixin):
                 examples.setdefault(name, state)
         self.slot_state = {name: torch.cat([padded(_state(layer, name, example), 0) for layer in layers])
                            for name, example in examples.items()}
-        self.keys = torch.cat([padded(layer.keys, 0) for layer in layers])
-        self.values = torch.cat([padded(layer.values, 0) for layer in layers])
+        stored = [layer._stored() for layer in layers]
+        self._store({name: torch.cat([padded(part[name], 0) for part in stored]) for name in stored[0]})
         self.token_index = torch.cat([padded(layer.token_index, -1) for layer in layers])
         if weights is not None:
             self.log_weight = torch.cat([padded(weight, 0) for weight in weights])
@@ -424,14 +453,13 @@ class CompressedLayer(CacheLayerMixin):
     def snapshot(self) -> tuple:
         """What ``restore`` needs to take out every token fed after this call (nothing is evicted
         in between: a probe runs before compression)."""
-        return (self.keys, self.values, self.token_index, self.log_weight, self.real_seen, self.seen,
-                self.owns_storage)
+        return (self._stored(), self.token_index, self.log_weight, self.real_seen, self.seen, self.owns_storage)
 
     def restore(self, snapshot: tuple) -> None:
         """The layer as it was at ``snapshot``, but for the slot state that the passes since wrote
         into its slots (a probe's statistics); the tokens fed since are gone."""
-        (self.keys, self.values, self.token_index, self.log_weight, self.real_seen, self.seen,
-         self.owns_storage) = snapshot
+        stored, self.token_index, self.log_weight, self.real_seen, self.seen, self.owns_storage = snapshot
+        self._store(stored)
         if self.token_index is None:
             return
         n_slots = self.token_index.shape[2]
@@ -442,7 +470,7 @@ class CompressedLayer(CacheLayerMixin):
     def admit(self, new_valid: torch.Tensor | None) -> None:
         """Record the tokens ``update`` added: ``new_valid`` (B, q) is False for padding (None: all real)."""
         q = self.pending
-        batch, heads = self.keys.shape[:2]
+        batch, heads = self.token_index.shape[:2]
         self.seen += q
         self.pending = 0
         if self.written is not None and self._prepared is not None and new_valid is None:
@@ -507,7 +535,12 @@ class CompressedLayer(CacheLayerMixin):
         """Bytes of the stored keys and values (empty slots of a padded batch included)."""
         if not self.is_initialized:
             return 0
-        return self.keys.nbytes + self.values.nbytes
+        return sum(tensor.nbytes for tensor in self._stored().values())
+
+    @property
+    def nbytes_parts(self) -> dict[str, int]:
+        """``nbytes`` by part, for a layer that stores keys and values quantized (here: none)."""
+        return {}
 
     @property
     def state_nbytes(self) -> int:
@@ -527,12 +560,16 @@ class CompressedLayer(CacheLayerMixin):
         def take(tensor: torch.Tensor) -> torch.Tensor:
             return take_rows(tensor, rows, slots.shape)
 
-        return Evicted(keys=take(self.keys) if "keys" in vectors else None,
-                       values=take(self.values) if "values" in vectors else None,
+        taken = self._take_vectors(take, vectors)
+        return Evicted(keys=taken.get("keys"), values=taken.get("values"),
                        token_index=take(self.token_index),
                        valid=valid, slot_state={name: take(state) for name, state in self.slot_state.items()
                                                 if states is None or name in states},
                        log_weight=None if self.log_weight is None else take(self.log_weight))
+
+    def _take_vectors(self, take, vectors: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        """``vectors`` ("keys", "values") of some slots, copied by ``take`` (a function of a per-slot tensor)."""
+        return {name: take(self.keys if name == "keys" else self.values) for name in vectors}
 
     def drop(self, slots: torch.Tensor, rows: torch.Tensor | None) -> None:
         """Empty the slot ``slots`` (B, G, 1) of every KV head of the rows ``rows`` (B,) bool (None:
@@ -572,33 +609,34 @@ class CompressedLayer(CacheLayerMixin):
         self._clear_state(rows)  # in place: the bias is updated below
         if self._bias is not None:
             self._bias.view(-1).index_fill_(0, rows, torch.finfo(self._bias.dtype).min)
-        self.vacancies = Vacancies.of(slots, self.real_seen, self.keys.shape[-1], self.values.shape[-1])
+        self.vacancies = Vacancies.of(slots, self.real_seen, self.key_dim, self.value_dim)
 
     def keep(self, keep: torch.Tensor, keep_valid: torch.Tensor, slack: int = 0) -> None:
         """Shrink to the slots ``keep`` (B, G, K), gathered into new tensors; ``keep_valid`` (B, K)
         marks the real ones (rows of a batch with smaller budgets have an empty tail). ``slack``
         empty slots more (decoding in batches of that many steps) become the vacancies the next
         tokens are written into: no step before the next eviction copies the layer."""
-        keys, values = take_slots(self.keys, keep), take_slots(self.values, keep)
+        stored = {name: take_slots(tensor, keep) for name, tensor in self._stored().items()}
         token_index = self.token_index.gather(2, keep)
         if not bool(keep_valid.all()):
             empty = ~keep_valid[:, None, :]
-            keys.masked_fill_(empty[..., None], 0)
-            values.masked_fill_(empty[..., None], 0)
+            for tensor in stored.values():
+                tensor.masked_fill_(empty[..., None], 0)
             token_index.masked_fill_(empty, -1)
         slot_state = {name: take_slots(state, keep) for name, state in self.slot_state.items()}
         log_weight = None if self.log_weight is None else take_slots(self.log_weight, keep)
         if slack:
-            keys, values = _with_empty_slots(keys, slack, 0), _with_empty_slots(values, slack, 0)
+            stored = {name: _with_empty_slots(tensor, slack, 0) for name, tensor in stored.items()}
             token_index = _with_empty_slots(token_index, slack, -1)
             slot_state = {name: _with_empty_slots(state, slack, 0) for name, state in slot_state.items()}
             log_weight = None if log_weight is None else _with_empty_slots(log_weight, slack, 0)
-        self.keys, self.values, self.token_index, self.log_weight = keys, values, token_index, log_weight
+        self._store(stored)
+        self.token_index, self.log_weight = token_index, log_weight
         self.slot_state = slot_state
         self.owns_storage = True
         self.vacancies = None
         if slack:  # each row's empty tail starts after its kept slots
-            batch, heads = keys.shape[:2]
-            tail = keep_valid.sum(-1)[:, None, None] + torch.arange(slack, device=keys.device)
-            self.vacancies = Vacancies.of(tail.expand(batch, heads, slack), self.real_seen, keys.shape[-1],
-                                          values.shape[-1])
+            batch, heads = token_index.shape[:2]
+            tail = keep_valid.sum(-1)[:, None, None] + torch.arange(slack, device=self.device)
+            self.vacancies = Vacancies.of(tail.expand(batch, heads, slack), self.real_seen, self.key_dim,
+                                          self.value_dim)

@@ -48,17 +48,18 @@ class Runner:
     """A model, its tokenizer and the methods of a sweep; answers samples run by run."""
 
     def __init__(self, model, tokenizer, methods: dict[str, Method], shared_prefill: bool = True,
-                 evict_every: int = 1):
+                 evict_every: int = 1, kv_bits=None):
         self.model = model
         self.tokenizer = tokenizer
         self.methods = methods
         self.shared_prefill = shared_prefill
         self.evict_every = evict_every
+        self.kv_bits = kv_bits
         self.stop_ids = stop_token_ids(model, tokenizer)
 
     def cache(self, method: str, budget: Budget) -> CompressedCache:
         return CompressedCache(self.model, self.methods[method], budget, tokenizer=self.tokenizer,
-                               evict_every=self.evict_every)
+                               evict_every=self.evict_every, kv_bits=self.kv_bits)
 
     def answer(self, task, samples: list, ids: list[int], questions: list[list[int]],
                todos: list[list[Run]]) -> Iterator[tuple[object, Outcome]]:
@@ -76,7 +77,7 @@ class Runner:
         for run in runs:
             start = time.perf_counter()
             if prefill is not None and run.method in shareable:
-                cache = prefill.fork(shareable.index(run.method), run.budget, self.evict_every)
+                cache = prefill.fork(shareable.index(run.method), run.budget, self.evict_every, self.kv_bits)
                 batch = Batch(self.model, cache, [self._sequence(samples[0])], shared.logits, shared.positions)
                 prefill_seconds = shared.sequences[0].prefill_seconds
                 start -= prefill_seconds  # done once for all: counted in each row, as a run alone has it

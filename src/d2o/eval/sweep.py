@@ -15,7 +15,7 @@ from d2o.budget import MIN_TOKENS, Budget, parse_budgets
 from d2o.errors import D2OError
 from d2o.eval.tasks import get_task
 from d2o.eval.tasks.base import Task
-from d2o.options import distinct
+from d2o.options import check_kv_bits, distinct
 
 FULL = "full"
 
@@ -39,6 +39,7 @@ class EvalConfig:
     task_options: dict = field(default_factory=dict)
     method_options: dict = field(default_factory=dict)  # {method: {option: value}}
     evict_every: int = 1  # evict in batches of decode steps (CompressedCache's)
+    kv_bits: int | None = None  # keys and values stored at 8, 4 or 2 bits (None: the model's dtype)
 
     def identity(self, task: Task) -> dict:
         """What must match for a rerun to resume into the same folder (methods, budgets and the
@@ -48,6 +49,8 @@ class EvalConfig:
                     "min_tokens": MIN_TOKENS if self.min_tokens is None else self.min_tokens, "protocol": self.protocol}
         if self.evict_every != 1:  # (folders of eviction at every step record none)
             identity["evict_every"] = self.evict_every
+        if self.kv_bits is not None:
+            identity["kv_bits"] = self.kv_bits
         return identity
 
 
@@ -60,6 +63,7 @@ def check_config(config: EvalConfig) -> tuple[Task, list[Budget]]:
         raise D2OError(f"limit must be at least 1, got {config.limit}")
     if config.evict_every < 1:
         raise D2OError(f"evict_every must be at least 1, got {config.evict_every}")
+    check_kv_bits(config.kv_bits)
     for what, names in (("methods", config.methods), ("budgets", config.budgets)):
         if not names:
             raise D2OError(f"no {what} given")
@@ -111,7 +115,7 @@ def run_eval(config: EvalConfig, progress: bool = True) -> list[dict]:
         except D2OError as error:
             raise D2OError(f"sample {sample.id}: {error}") from None
     record_config(out, config, task)  # only once every sample is known to run
-    runner = Runner(model, tokenizer, methods, config.shared_prefill, config.evict_every)
+    runner = Runner(model, tokenizer, methods, config.shared_prefill, config.evict_every, config.kv_bits)
     runs = runs_of(methods, budgets)
     done = store.keys()
     bar = tqdm(total=len(samples), desc=task.name, disable=not progress, unit="sample")

@@ -15,13 +15,14 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
 
 from d2o.budget import EVICT_EVERY, Budget
 from d2o.engine.cache import CompressedCache
+from d2o.engine.quantization import KVQuantization
 from d2o.engine.report import CacheReport
 from d2o.errors import D2OError
 from d2o.methods.base import Method
@@ -29,7 +30,7 @@ from d2o.runtime.decoding import Batch, Sampling, Sequence, seconds_since
 from d2o.runtime.generation import Generation, resolve
 from d2o.runtime.prompts import as_list, check_length, encode, stop_token_ids
 
-FORMAT = 1  # the layout of a saved context; a file of another layout is refused
+FORMAT = 2  # the layout of a saved context; a file of another layout is refused
 DEFAULT_METHOD = "d2o-novelty"  # the method kept for questions that come after compression
 
 
@@ -174,6 +175,7 @@ class CompressedContext:
             "ids": self.ids,
             "layers": layers, "forwards": self.cache.forwards, "allocated": self.cache.allocated,
             "probed": self.cache.probed, "evict_every": self.cache.evict_every,
+            "kv": None if self.cache.quantization is None else asdict(self.cache.quantization),
         }
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -186,13 +188,15 @@ class CompressedContext:
 
 def compress(model, tokenizer, context: str | list[dict], method: str | Method = DEFAULT_METHOD,
              budget: Budget | str | float = 0.2, *, chat: bool = False, min_tokens: int | None = None,
-             evict_every: int = EVICT_EVERY, **method_options) -> CompressedContext:
+             evict_every: int = EVICT_EVERY, kv_bits: int | KVQuantization | None = None,
+             **method_options) -> CompressedContext:
     """Prefill ``context`` and compress it to ``budget`` with ``method``, with no question in sight.
 
     ``context``: a text, or (``chat=True``) a conversation (a list of messages; a text is one user
     turn) in the model's chat template, without the assistant's prompt: the questions add it.
     Returns a ``CompressedContext``; ``ask`` it any number of questions, ``save`` it to a file.
-    ``evict_every``: its answers evict in batches of that many steps (``CompressedCache``).
+    ``evict_every``: its answers evict in batches of that many steps; ``kv_bits``: its keys and
+    values are stored at that many bits (``CompressedCache``).
     """
     name = method if isinstance(method, str) else method.name
     method, budget = resolve(method, budget, min_tokens, **method_options)
@@ -203,17 +207,17 @@ def compress(model, tokenizer, context: str | list[dict], method: str | Method =
         conversation = None
         ids = encode(tokenizer, [context])[0]
     return compress_ids(model, tokenizer, ids, method, budget, name=name, options=dict(method_options),
-                        conversation=conversation, evict_every=evict_every)
+                        conversation=conversation, evict_every=evict_every, kv_bits=kv_bits)
 
 
 def compress_ids(model, tokenizer, ids: list[int], method: Method, budget: Budget, *, name: str | None = None,
                  options: dict | None = None, conversation: list[dict] | None = None,
-                 evict_every: int = EVICT_EVERY) -> CompressedContext:
+                 evict_every: int = EVICT_EVERY, kv_bits: int | KVQuantization | None = None) -> CompressedContext:
     """``compress`` of token ids, with a method object and a parsed budget (checked against each
     other: ``resolve``); ``conversation``: the messages ``ids`` are, if they are a conversation."""
     check_asks_later(method)
     check_length(model, len(ids) + 1)
-    cache = CompressedCache(model, method, budget, tokenizer=tokenizer, evict_every=evict_every)
+    cache = CompressedCache(model, method, budget, tokenizer=tokenizer, evict_every=evict_every, kv_bits=kv_bits)
     stops = stop_token_ids(model, tokenizer)
     batch = Batch.prefill(model, cache, [ids], [Sequence(tokenizer, 1, stop_ids=stops)])
     return CompressedContext(model, tokenizer, method, name or method.name, options or {}, list(ids),
@@ -289,8 +293,10 @@ def load_context(path: str | Path, model, tokenizer=None) -> CompressedContext:
     method = get_method(meta["method"], **meta["options"])
     budget = Budget(ratio=meta["ratio"], tokens=meta["tokens"], min_tokens=meta["min_tokens"],
                     floor_given=meta["floor_given"])
-    cache = CompressedCache(model, method, budget, tokenizer=tokenizer, evict_every=meta["evict_every"])
-    _restore_cache(cache, tensors, meta)
+    quantization = None if meta["kv"] is None else KVQuantization(**meta["kv"])
+    cache = CompressedCache(model, method, budget, tokenizer=tokenizer, evict_every=meta["evict_every"],
+                            kv_bits=quantization)
+    _restore_cache(cache, tensors, meta, next(model.parameters()).dtype)
     if tokenizer is None:
         tokenizer = cache.tokenizer
     return CompressedContext(model, tokenizer, method, meta["method"], meta["options"], meta["ids"], meta["chat"],
@@ -322,7 +328,7 @@ def _version() -> str:
 
 
 # Per-layer tensors a compressed cache holds (None where a layer has not set one).
-_LAYER_TENSORS = ("keys", "values", "token_index", "log_weight", "real_seen", "merged", "budget")
+_LAYER_TENSORS = ("token_index", "log_weight", "real_seen", "merged", "budget")
 
 
 def _cache_tensors(cache: CompressedCache) -> tuple[dict[str, torch.Tensor], list[dict]]:
@@ -336,6 +342,10 @@ def _cache_tensors(cache: CompressedCache) -> tuple[dict[str, torch.Tensor], lis
         if not layer.is_initialized:
             layers.append(None)
             continue
+        for name, value in layer._stored().items():  # keys and values as stored (quantized or not)
+            tensors[f"{i}.stored.{name}"] = value
+        for j, value in enumerate(getattr(layer, "ring", None) or ()):
+            tensors[f"{i}.ring.{j}"] = value
         for name in _LAYER_TENSORS:
             value = getattr(layer, name)
             if value is not None:
@@ -356,17 +366,24 @@ def _cache_tensors(cache: CompressedCache) -> tuple[dict[str, torch.Tensor], lis
                 else:
                     state[f.name] = {"value": value}
         layers.append({"seen": layer.seen, "observing": layer.observing, "slots": sorted(layer.slot_state),
-                       "state": state})
+                       "state": state, "dims": [layer.key_dim, layer.value_dim]})
     return tensors, layers
 
 
-def _restore_cache(cache: CompressedCache, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+def _restore_cache(cache: CompressedCache, tensors: dict[str, torch.Tensor], meta: dict, dtype: torch.dtype) -> None:
     if len(meta["layers"]) != len(cache.layers):
         raise D2OError(f"the saved context has {len(meta['layers'])} layers, the model {len(cache.layers)}")
     for i, (layer, saved) in enumerate(zip(cache.layers, meta["layers"])):
         if saved is None:
             continue
-        layer.lazy_initialization(tensors[f"{i}.keys"], tensors[f"{i}.values"])
+        token_index = tensors[f"{i}.token_index"]
+        batch, heads = token_index.shape[:2]
+        layer.lazy_initialization(*(torch.empty((batch, heads, 0, dim), dtype=dtype, device=token_index.device)
+                                    for dim in saved["dims"]))
+        layer._store({name[len(f"{i}.stored."):]: tensor for name, tensor in tensors.items()
+                      if name.startswith(f"{i}.stored.")})
+        if f"{i}.ring.0" in tensors:
+            layer.ring = tuple(tensors[f"{i}.ring.{j}"] for j in range(3))
         for name in _LAYER_TENSORS:
             setattr(layer, name, tensors.get(f"{i}.{name}"))
         layer.slot_state = {name: tensors[f"{i}.slot.{name}"] for name in saved["slots"]}

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from d2o.budget import EVICT_EVERY, Budget
 from d2o.engine.cache import CompressedCache
+from d2o.engine.quantization import KVQuantization
 from d2o.engine.report import CacheReport
 from d2o.errors import D2OError
 from d2o.methods import get_method
@@ -72,6 +73,7 @@ def generate(
     stop: tuple[str, ...] = (),
     min_tokens: int | None = None,
     evict_every: int = EVICT_EVERY,
+    kv_bits: int | KVQuantization | None = None,
     **method_options,
 ) -> Generation:
     """Answer ``prompts`` (one string or a batch) with ``method`` holding the cache to ``budget``.
@@ -82,6 +84,7 @@ def generate(
     after ``max_new_tokens``.
     ``min_tokens``: the floor under a ratio budget (``d2o.budget.MIN_TOKENS`` by default).
     ``evict_every``: evict in batches of that many decode steps (``CompressedCache``; 1: at every step).
+    ``kv_bits``: store keys and values at 8, 4 or 2 bits (``CompressedCache``; None: the model's dtype).
     """
     method, budget = resolve(method, budget, min_tokens, **method_options)
     sampling = Sampling(temperature, top_p, seed, top_k)
@@ -89,7 +92,7 @@ def generate(
     check_length(model, max(len(row) for row in rows), max_new_tokens)
     stops = stop_token_ids(model, tokenizer)
     sequences = [Sequence(tokenizer, max_new_tokens, sampling, stops, stop) for _ in rows]
-    cache = CompressedCache(model, method, budget, tokenizer=tokenizer, evict_every=evict_every)
+    cache = CompressedCache(model, method, budget, tokenizer=tokenizer, evict_every=evict_every, kv_bits=kv_bits)
     Batch.prefill(model, cache, rows, sequences).run()
     return Generation.of(sequences, sequences[0].prefill_seconds + max(s.decode_seconds for s in sequences),
                          sequences[0].prefill_seconds)

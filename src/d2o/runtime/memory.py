@@ -7,7 +7,10 @@ every layer (and, for a method that probes, its longest probe pass beside them);
 method that evicts holds its budget (plus the one
 slot a new token is written into), a method that compresses once grows by every generated token,
 and the full cache holds everything. A sliding-window layer (Gemma 3) holds its window whatever the
-method. A method whose layer budgets need not add up to its total (``d2o-official``) is planned as
+method. Keys and values stored quantized (``kv_bits``) take their packed levels, steps and zero
+points per slot, and each row holds its newest tokens in full precision besides (``row_bytes``); a
+quantized prefill holds every prompt token quantized, and one layer's in full precision while it
+attends. A method whose layer budgets need not add up to its total (``d2o-official``) is planned as
 the full cache: a bound it never exceeds.
 
 Rows decoding together share one tensor per layer, as wide as its widest row: ``peak_slots`` gives,
@@ -23,6 +26,7 @@ import torch
 
 from d2o.budget import UNLIMITED, Budget
 from d2o.engine.cache import compressible_layers, sliding_windows
+from d2o.engine.quantization import KVQuantization
 from d2o.engine.storage import TOKEN_INDEX_DTYPE
 from d2o.methods.base import Method
 
@@ -40,16 +44,27 @@ class KVPlan:
         return max(self.prefill_bytes, self.held_bytes)
 
 
-def slot_bytes(config, dtype_bytes: int, method: Method, stock: bool = False) -> list[int]:
+def _quantization(kv_bits) -> KVQuantization | None:
+    return kv_bits if kv_bits is None or isinstance(kv_bits, KVQuantization) else KVQuantization(bits=kv_bits)
+
+
+def _heads_and_dim(config, method: Method) -> tuple[int, int]:
+    config = config.get_text_config()
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return (config.num_attention_heads if method.repeats_kv_heads else config.num_key_value_heads), head_dim
+
+
+def slot_bytes(config, dtype_bytes: int, method: Method, stock: bool = False, kv_bits=None) -> list[int]:
     """Bytes of one slot in each layer: the K and V of one token in every stored KV head and, in
     d2o's cache (not in the stock cache: ``stock``), its token index beside them and, in a layer
     the method scores (every layer but a sliding-window one), the method's slot state (float32
     whatever the model's dtype). On SmolLM2 in float32 the index and state add 4-7% to K and V
-    for H2O, D2O and d2o-plus, 27% for RoCo (its window's attention rows)."""
+    for H2O, D2O and d2o-plus, 27% for RoCo (its window's attention rows). ``kv_bits``: K and V
+    quantized (``CompressedCache``'s), their packed levels, steps and zero points."""
     config = config.get_text_config()
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    heads = config.num_attention_heads if method.repeats_kv_heads else config.num_key_value_heads
-    kv = 2 * head_dim * dtype_bytes
+    heads, head_dim = _heads_and_dim(config, method)
+    quantization = _quantization(kv_bits)
+    kv = 2 * (head_dim * dtype_bytes if quantization is None else quantization.token_bytes(head_dim))
     if stock:
         return [heads * kv for _ in sliding_windows(config)]
     indexed = kv + TOKEN_INDEX_DTYPE.itemsize
@@ -57,13 +72,25 @@ def slot_bytes(config, dtype_bytes: int, method: Method, stock: bool = False) ->
     return [heads * (indexed if window is not None else scored) for window in sliding_windows(config)]
 
 
+def row_bytes(config, dtype_bytes: int, method: Method, kv_bits=None) -> int:
+    """Bytes a row holds in every layer beside its slots: with ``kv_bits``, its newest tokens in full
+    precision (K, V and their slots; ``KVQuantization.residual``)."""
+    quantization = _quantization(kv_bits)
+    if quantization is None:
+        return 0
+    heads, head_dim = _heads_and_dim(config, method)
+    layers = config.get_text_config().num_hidden_layers
+    return layers * heads * quantization.residual * (2 * head_dim * dtype_bytes + TOKEN_INDEX_DTYPE.itemsize)
+
+
 def plan(config, method: Method, budget: Budget, prompt_tokens: int, new_tokens: int, dtype_bytes: int = 4,
-         stock: bool = False, evict_every: int = 1) -> KVPlan:
+         stock: bool = False, evict_every: int = 1, kv_bits=None) -> KVPlan:
     """The KV bytes of one sequence of ``prompt_tokens`` + ``new_tokens`` under ``method`` at ``budget``
     (``stock``: in transformers' own cache, which holds K and V alone: the full cache only;
-    ``evict_every``: the cache's, whose layers run that many slots over their budget at most)."""
+    ``evict_every``: the cache's, whose layers run that many slots over their budget at most;
+    ``kv_bits``: the cache's, keys and values quantized)."""
     windows = sliding_windows(config.get_text_config())
-    per_slot = slot_bytes(config, dtype_bytes, method, stock)
+    per_slot = slot_bytes(config, dtype_bytes, method, stock, kv_bits)
     length = prompt_tokens + new_tokens
     compressible = compressible_layers(windows, budget)
     exempt = len(method.exempt_among(len(windows), compressible))
@@ -82,7 +109,11 @@ def plan(config, method: Method, budget: Budget, prompt_tokens: int, new_tokens:
     global_slot = per_slot[compressible[0]] if compressible else 0  # every global layer's slot is alike
     sliding = sum(min(length, window) * slot for window, slot in zip(windows, per_slot) if window is not None)
     prefill = (prompt_tokens + method.probe_tokens(prompt_tokens)) * sum(per_slot)
-    return KVPlan(prefill_bytes=prefill, held_bytes=held * global_slot + sliding)
+    extra = row_bytes(config, dtype_bytes, method, kv_bits)
+    if extra:  # the layer attending holds its tokens in full precision too, while it attends
+        heads, head_dim = _heads_and_dim(config, method)
+        prefill += (prompt_tokens + method.probe_tokens(prompt_tokens)) * heads * 2 * head_dim * dtype_bytes
+    return KVPlan(prefill_bytes=prefill + extra, held_bytes=held * global_slot + sliding + extra)
 
 
 def peak_slots(cache, new_tokens: int) -> torch.Tensor:
@@ -112,14 +143,15 @@ def peak_slots(cache, new_tokens: int) -> torch.Tensor:
 
 def slot_widths(cache) -> list[int]:
     """Slots per row of each layer's tensors now (0 before the first token)."""
-    return [layer.keys.shape[2] if layer.is_initialized else 0 for layer in cache.layers]
+    return [layer.token_index.shape[2] if layer.is_initialized else 0 for layer in cache.layers]
 
 
-def padded_bytes(widths: list[int], peaks: torch.Tensor, per_slot: list[int]) -> int:
+def padded_bytes(widths: list[int], peaks: torch.Tensor, per_slot: list[int], per_row: int = 0) -> int:
     """The most KV bytes a batch of rows with ``peaks`` (B, L) from ``peak_slots`` reaches: every
     row is as wide as the widest in each layer. ``widths``: each layer's slots now (a batch's
-    tensors do not narrow when its widest row leaves); ``per_slot``: ``slot_bytes``."""
+    tensors do not narrow when its widest row leaves); ``per_slot``: ``slot_bytes``; ``per_row``:
+    ``row_bytes``."""
     if not len(peaks):
         return 0
     widest = torch.maximum(peaks.max(0).values, torch.tensor(widths, dtype=peaks.dtype))
-    return len(peaks) * int((widest * torch.tensor(per_slot, dtype=widest.dtype)).sum())
+    return len(peaks) * (int((widest * torch.tensor(per_slot, dtype=widest.dtype)).sum()) + per_row)

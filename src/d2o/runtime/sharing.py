@@ -140,8 +140,9 @@ class SharedPrefill:
         self.cache = CompressedCache(model, _Observers(methods=self.methods), budget=1.0, observe=True,
                                      tokenizer=tokenizer)
 
-    def fork(self, index: int, budget, evict_every: int = 1) -> CompressedCache:
+    def fork(self, index: int, budget, evict_every: int = 1, kv_bits=None) -> CompressedCache:
         """Method ``index``'s own cache at ``budget``, compressed now if the method compresses after the
-        prefill (``evict_every``: the new cache's, ``CompressedCache``)."""
+        prefill (``evict_every``, ``kv_bits``: the new cache's, ``CompressedCache``)."""
         return self.cache.fork(self.methods[index], budget, slot_prefix=f"{index}/",
-                               state_of=lambda layer: layer.state.parts[index], evict_every=evict_every)
+                               state_of=lambda layer: layer.state.parts[index], evict_every=evict_every,
+                               kv_bits=kv_bits)

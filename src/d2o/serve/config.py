@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from d2o.budget import EVICT_EVERY, Budget
 from d2o.errors import D2OError
+from d2o.options import check_kv_bits
 
 @dataclass(frozen=True)
 class ServeConfig:
@@ -25,6 +26,7 @@ class ServeConfig:
     device_map: str | None = None
     prefix_cache_memory: int = 0  # bytes of --kv-memory for compressed prefixes (0: no prefix cache)
     evict_every: int = EVICT_EVERY  # evict in batches of decode steps (CompressedCache's)
+    kv_bits: int | None = None  # keys and values stored at 8, 4 or 2 bits (None: the model's dtype)
 
     def check(self):
         """Refuse bad options before anything heavy loads (the method and budget too); returns the
@@ -36,6 +38,7 @@ class ServeConfig:
             raise D2OError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.evict_every < 1:
             raise D2OError(f"evict_every must be at least 1, got {self.evict_every}")
+        check_kv_bits(self.kv_bits)
         if not 0 <= self.prefix_cache_memory < self.kv_memory:
             raise D2OError(f"--prefix-cache-memory ({self.prefix_cache_memory:,} bytes) is part of --kv-memory "
                            f"({self.kv_memory:,}): it must be >= 0 and leave room for the requests")

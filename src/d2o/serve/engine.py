@@ -28,7 +28,7 @@ from d2o.methods import get_method
 from d2o.runtime.context import compress_ids, conversation_ids
 from d2o.runtime.decoding import Batch, Sampling, Sequence
 from d2o.runtime.generation import resolve
-from d2o.runtime.memory import peak_slots, plan, slot_bytes
+from d2o.runtime.memory import peak_slots, plan, row_bytes, slot_bytes
 from d2o.runtime.prompts import check_length, encode, positions, stop_token_ids
 from d2o.serve.config import ServeConfig
 from d2o.serve.jobs import Job, Lane, stable_text
@@ -50,8 +50,9 @@ class Engine:
         self.cap = config.kv_memory
         self.stops = stop_token_ids(model, tokenizer)
         self.dtype_bytes = next(model.parameters()).element_size()
-        self.evict_every = config.evict_every
-        smallest = plan(model.config, method, budget, 1, 1, self.dtype_bytes, evict_every=self.evict_every).peak_bytes
+        self.evict_every, self.kv_bits = config.evict_every, config.kv_bits
+        smallest = plan(model.config, method, budget, 1, 1, self.dtype_bytes, evict_every=self.evict_every,
+                        kv_bits=self.kv_bits).peak_bytes
         if smallest > self.cap:  # every request would be refused
             raise D2OError(f"--kv-memory of {self.cap:,} bytes holds not one request (a 1-token prompt and 1 new "
                            f"token need {smallest:,} bytes under {config.method})")
@@ -102,7 +103,7 @@ class Engine:
             param = "max_tokens" if prompt_fits else "messages" if chat else "prompt"  # the part to shorten
             raise APIError(400, str(error), param, "context_length_exceeded") from None
         kv_plan = plan(self.model.config, method, budget, len(ids), max_tokens, self.dtype_bytes,
-                       evict_every=self.evict_every)
+                       evict_every=self.evict_every, kv_bits=self.kv_bits)
         if kv_plan.peak_bytes > self.cap:
             # The prefill holds every prompt token before compressing: there, only a shorter prompt helps.
             remedy = ("a shorter prompt (the prefill holds every prompt token before the cache is compressed)"
@@ -222,7 +223,8 @@ class Engine:
         try:
             batch = self._from_prefix(job) if self.prefixes is not None else None
             if batch is None:
-                cache = CompressedCache(self.model, job.method, job.budget, evict_every=self.evict_every)
+                cache = CompressedCache(self.model, job.method, job.budget, evict_every=self.evict_every,
+                                        kv_bits=self.kv_bits)
                 batch = Batch.prefill(self.model, cache, [job.ids], [job.sequence])
             job.peaks = peak_slots(batch.cache, job.sequence.max_new_tokens)[0]
         except D2OError as error:  # e.g. a ratio too small for a short prompt without a floor
@@ -230,7 +232,8 @@ class Engine:
         except Exception as error:  # noqa: BLE001 - the server keeps serving the others
             return self._settle(job, APIError(500, f"prefill failed: {error}", kind="server_error"), "failed")
         self._record_kv(extra=job.plan.prefill_bytes)
-        per_slot = slot_bytes(self.model.config, self.dtype_bytes, job.method)
+        per_slot = slot_bytes(self.model.config, self.dtype_bytes, job.method, kv_bits=self.kv_bits)
+        per_row = row_bytes(self.model.config, self.dtype_bytes, job.method, self.kv_bits)
         with self._lock:  # the job stays admitted until it is placed (a failure below fails it too)
             base = self._reserved([other for other in self._admitted if other is not job])
             options = [(lane.bound(batch, job) - self._bounds[id(lane)], lane)
@@ -240,7 +243,7 @@ class Engine:
                 lane = min(options, key=lambda option: option[0])[1]
                 lane.join(batch, job)
             else:  # alone it fits: its reservation covered its plan, which bounds its peak
-                lane = Lane(batch, job, per_slot)
+                lane = Lane(batch, job, per_slot, per_row)
                 self._lanes.append(lane)
             self._bounds[id(lane)] = lane.bound()
             self._admitted.remove(job)
@@ -259,7 +262,7 @@ class Engine:
         context = found
         if job.boundary is not None and (found is None or len(found.ids) < job.boundary):
             context = (compress_ids(self.model, self.tokenizer, job.ids[: job.boundary], job.method, job.budget,
-                                    evict_every=self.evict_every)
+                                    evict_every=self.evict_every, kv_bits=self.kv_bits)
                        if found is None else found.extend_ids(job.ids[len(found.ids): job.boundary]))
             with self._lock:
                 self.prefixes.add(key, context, self.cap - self._reserved(self._admitted))
@@ -391,7 +394,7 @@ class Engine:
             method, budget = self._methods[key]
             shape = (max(1, round(prompt_tokens / count)), max(1, round(max_tokens / count)), self.dtype_bytes)
             mine[labels(key)] = fit(self.cap, plan(self.model.config, method, budget, *shape,
-                                                   evict_every=self.evict_every))
+                                                   evict_every=self.evict_every, kv_bits=self.kv_bits))
             full[labels(key)] = fit(self.cap, plan(self.model.config, get_method("full"), Budget.parse(1.0), *shape))
         return mine, full
 

@@ -70,8 +70,8 @@ def stable_text(sequence: Sequence) -> str:
 class Lane:
     """Rows of one method and budget decoding together: one ``Batch`` and each row's job."""
 
-    def __init__(self, batch: Batch, job: Job, per_slot: list[int]):
-        self.key, self.batch, self.per_slot = job.key, batch, per_slot
+    def __init__(self, batch: Batch, job: Job, per_slot: list[int], per_row: int = 0):
+        self.key, self.batch, self.per_slot, self.per_row = job.key, batch, per_slot, per_row
         self.jobs = {id(job.sequence): job}
 
     def rows(self) -> list[Job]:
@@ -83,7 +83,7 @@ class Lane:
         if newcomer is not None:
             widths = [max(a, b) for a, b in zip(widths, slot_widths(newcomer.cache))]
             peaks.append(job.peaks)
-        return padded_bytes(widths, torch.stack(peaks), self.per_slot) if peaks else 0
+        return padded_bytes(widths, torch.stack(peaks), self.per_slot, self.per_row) if peaks else 0
 
     def accepts(self, batch: Batch) -> bool:
         """Whether ``batch``'s row may join this lane now: the same method and budget (equal, not

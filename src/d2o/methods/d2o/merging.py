@@ -154,7 +154,7 @@ class SimilarityMerge:
         for width, members in widths.items():
             if width == 0:
                 for i in members:
-                    merged[i] = torch.zeros(layers[i].keys.shape[0], dtype=torch.long, device=layers[i].keys.device)
+                    merged[i] = torch.zeros(layers[i].token_index.shape[0], dtype=torch.long, device=layers[i].device)
                 continue
             counts = self._merge_stacked([layers[i] for i in members], [evicted[i] for i in members])
             for i, count in zip(members, counts):
@@ -201,8 +201,8 @@ class SimilarityMerge:
         absorbed = [layer.slot_state.get(MERGES) for layer in layers]
         for i, layer in enumerate(layers):
             if absorbed[i] is None:
-                absorbed[i] = layer.slot_state[MERGES] = torch.zeros(layer.keys.shape[:3], dtype=torch.int32,
-                                                                     device=layer.keys.device)
+                absorbed[i] = layer.slot_state[MERGES] = torch.zeros(layer.token_index.shape, dtype=torch.int32,
+                                                                     device=layer.device)
         if self.max_merges is not None:
             already = _stack([slots.gather(2, target[row]) for slots, row in zip(absorbed, rows)])
             merged = merged & (already + rank_within_target(target, merged, best) < self.max_merges)

@@ -1,0 +1,148 @@
+"""Keys and values stored at 8, 4 or 2 bits: the codec, the layer that stores with it, and its bytes."""
+
+import pytest
+import torch
+from conftest import greedy, left_pad, random_ids, tiny_model
+
+import d2o
+from d2o import D2OError
+from d2o.engine.quantization import KVQuantization
+from d2o.methods import REGISTRY
+from d2o.runtime.decoding import Batch, Sequence
+from d2o.runtime.memory import padded_bytes, peak_slots, plan, row_bytes, slot_bytes
+
+TINY = dict(group_size=16, residual=4)  # the tiny models' heads have 16 channels
+
+
+def cache_of(model, method, budget, bits, min_tokens=0, **options):
+    quantization = None if bits is None else KVQuantization(bits=bits, **{**TINY, **options})
+    return d2o.CompressedCache(model, d2o.get_method(method), d2o.Budget.parse(budget, min_tokens),
+                               kv_bits=quantization)
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_the_codec_rounds_to_the_nearest_level_and_decoding_then_encoding_gives_the_same_bytes(bits):
+    quantization = KVQuantization(bits=bits, group_size=32)
+    x = torch.randn(2, 3, 40, 64) * torch.linspace(0.1, 8, 64)  # channels of very different ranges
+    parts = quantization.encode(x)
+    assert parts["data"].dtype == torch.uint8 and parts["data"].shape == (2, 3, 40, 64 * bits // 8)
+    assert parts["scale"].shape == parts["zero"].shape == (2, 3, 40, 2)
+    per_token = sum(part[0, 0, 0].nbytes for part in parts.values())
+    assert per_token == quantization.token_bytes(64)
+    decoded = quantization.decode(parts, torch.float32)
+    step = parts["scale"].float().repeat_interleave(32, -1)
+    assert bool(((decoded - x).abs() <= step / 2 + 1e-3 * x.abs().amax(-1, keepdim=True)).all())
+    again = quantization.encode(decoded)
+    assert all(torch.equal(again[name], parts[name]) for name in parts)
+
+
+def test_bad_settings_are_refused_by_name():
+    with pytest.raises(D2OError, match="8, 4 or 2 bits"):
+        KVQuantization(bits=3)
+    with pytest.raises(D2OError, match="kv_group_size=0"):
+        KVQuantization(bits=4, group_size=0)
+    with pytest.raises(D2OError, match="does not divide this model's head dimension 16"):
+        cache_of(tiny_model(), "d2o", 0.5, 4, group_size=32)
+    with pytest.raises(D2OError, match="8, 4 or 2 bits"):
+        d2o.CompressedCache(tiny_model(), d2o.get_method("d2o"), 0.5, kv_bits=5)
+
+
+def test_the_residual_is_read_in_full_precision_and_the_rest_within_half_a_step():
+    model = tiny_model()
+    ids = random_ids(30)
+    plain, quantized = cache_of(model, "full", 1.0, None), cache_of(model, "full", 1.0, 4)
+    with torch.inference_mode():
+        model(input_ids=ids, cache=plain)
+        model(input_ids=ids, cache=quantized)
+    for mine, theirs in zip(quantized.layers, plain.layers):
+        keys, values = mine.attended()
+        assert torch.equal(keys[:, :, -4:], theirs.keys[:, :, -4:])  # the newest 4: exact
+        assert torch.equal(values[:, :, -4:], theirs.values[:, :, -4:])
+        assert not torch.equal(keys[:, :, :-4], theirs.keys[:, :, :-4])
+        # Half a step at most: a step is a 16th of the range (at most twice the largest magnitude).
+        torch.testing.assert_close(keys, theirs.keys, atol=1.001 * float(theirs.keys.abs().max()) / 15, rtol=0)
+        mine.settle()
+        assert mine._open_keys is None  # nothing in full precision is kept between passes but the residual
+
+
+def test_a_layer_settles_by_encoding_again_only_the_slots_a_method_changed():
+    model = tiny_model()
+    cache = cache_of(model, "full", 1.0, 4)
+    with torch.inference_mode():
+        model(input_ids=random_ids(20), cache=cache)
+    layer = cache.layers[1]
+    before = dict(layer._packed)
+    values = layer.values  # handed out, as to a merge: it may be written
+    values[0, 1, 3, 0] += 1.0
+    layer.settle()
+    for vectors in ("keys", "values"):
+        changed = sum((layer._packed[name] != tensor).flatten(3).any(-1).int() for name, tensor in before.items()
+                      if name.startswith(vectors + "."))
+        expected = torch.zeros_like(changed)
+        if vectors == "values":
+            expected[0, 1, 3] = 1
+        assert torch.equal(changed.clamp_max(1), expected), vectors
+    assert float(layer.attended()[1][0, 1, 3, 0] - values[0, 1, 3, 0]).__abs__() < 0.1
+
+
+@pytest.mark.parametrize("name", list(REGISTRY))
+def test_every_method_runs_on_a_quantized_cache_batched_as_alone_with_exact_lengths(name):
+    model = tiny_model(dtype=torch.float64)
+    prompts = [random_ids(n, seed=n)[0] for n in (100, 80)]  # budgets above SnapKV's window
+    ids, mask = left_pad(prompts)
+    batch_cache = cache_of(model, name, 0.5, 4)
+    batched = greedy(model, ids, batch_cache, steps=12, mask=mask)
+    for row, prompt in enumerate(prompts):
+        cache = cache_of(model, name, 0.5, 4)
+        alone = greedy(model, prompt[None], cache, steps=12)
+        assert batched[row].tolist() == alone[0].tolist()
+        for mine, theirs in zip(batch_cache.layers, cache.layers):
+            assert int(mine.n_kept[row]) == int(theirs.n_kept[0])
+            assert theirs._packed["keys.data"].shape[2] == theirs.token_index.shape[2]  # stored as held
+    report = batch_cache.report()
+    assert report.kv_bytes == sum(report.kv_parts.values()) == sum(layer.nbytes for layer in batch_cache.layers)
+
+
+def test_eight_bits_change_the_full_cache_logits_little():
+    model = tiny_model()
+    ids = random_ids(60)
+    with torch.inference_mode():
+        plain = model(input_ids=ids, cache=cache_of(model, "full", 1.0, None)).logits
+        cache = cache_of(model, "full", 1.0, 8)
+        model(input_ids=ids[:, :40], cache=cache)
+        quantized = model(input_ids=ids[:, 40:], cache=cache).logits
+    torch.testing.assert_close(quantized, plain[:, 40:], atol=0.02 * float(plain.abs().max()), rtol=0)
+
+
+@pytest.mark.parametrize("method, budget, min_tokens", [("d2o", "0.3", 5), ("h2o", "0.3", 0), ("full", "1.0", 0)])
+@pytest.mark.parametrize("bits", [8, 2])
+def test_a_quantized_row_peaks_within_its_plan_and_reaches_its_peak(method, budget, min_tokens, bits):
+    model = tiny_model()
+    chosen, quantization = d2o.get_method(method), KVQuantization(bits=bits, **TINY)
+    cache = d2o.CompressedCache(model, chosen, d2o.Budget.parse(budget, min_tokens), kv_bits=quantization)
+    batch = Batch.prefill(model, cache, [random_ids(40)[0].tolist()], [Sequence(None, 20)])
+    peaks = peak_slots(cache, 20)
+    bound = padded_bytes([0] * 4, peaks, slot_bytes(model.config, 4, chosen, kv_bits=quantization),
+                         row_bytes(model.config, 4, chosen, quantization))
+    assert bound <= plan(model.config, chosen, d2o.Budget.parse(budget, min_tokens), 40, 20,
+                         kv_bits=quantization).held_bytes
+    most = 0
+    while batch.sequences:
+        batch.step()
+        most = max(most, batch.cache.nbytes)
+    assert most <= bound
+    if chosen.evicts_during_decode and bool((peaks[0] < 60).all()):
+        assert most == bound, (most, bound)  # every layer reached its budget: the peak is exact
+
+
+def test_a_saved_quantized_context_answers_alike(tmp_path):
+    from conftest import byte_tokenizer
+
+    model, tokenizer = tiny_model(), byte_tokenizer()
+    context = d2o.compress(model, tokenizer, "a long context " * 8, "d2o-novelty", 0.5, min_tokens=0,
+                           kv_bits=KVQuantization(bits=4, **TINY))
+    answers = context.ask(["what?", "why?"], max_new_tokens=6).texts
+    loaded = d2o.load_context(context.save(tmp_path / "c.safetensors"), model, tokenizer)
+    assert loaded.cache.quantization == context.cache.quantization
+    assert loaded.nbytes == context.nbytes
+    assert loaded.ask(["what?", "why?"], max_new_tokens=6).texts == answers
