@@ -11,7 +11,7 @@ from d2o.methods import REGISTRY
 from d2o.runtime.decoding import Batch, Sequence
 from d2o.runtime.memory import padded_bytes, peak_slots, plan, row_bytes, slot_bytes
 
-TINY = dict(group_size=16, residual=4)  # the tiny models' heads have 16 channels
+TINY = dict(residual=4)  # (groups of 16 channels: the tiny models' heads have 16)
 
 
 def cache_of(model, method, budget, bits, min_tokens=0, **options):
@@ -41,7 +41,7 @@ def test_bad_settings_are_refused_by_name():
         KVQuantization(bits=3)
     with pytest.raises(D2OError, match="kv_group_size=0"):
         KVQuantization(bits=4, group_size=0)
-    with pytest.raises(D2OError, match="does not divide this model's head dimension 16"):
+    with pytest.raises(D2OError, match="kv_group_size=32 does not divide this model's head dimension 16"):
         cache_of(tiny_model(), "d2o", 0.5, 4, group_size=32)
     with pytest.raises(D2OError, match="8, 4 or 2 bits"):
         d2o.CompressedCache(tiny_model(), d2o.get_method("d2o"), 0.5, kv_bits=5)
@@ -62,7 +62,7 @@ def test_the_residual_is_read_in_full_precision_and_the_rest_within_half_a_step(
         # Half a step at most: a step is a 16th of the range (at most twice the largest magnitude).
         torch.testing.assert_close(keys, theirs.keys, atol=1.001 * float(theirs.keys.abs().max()) / 15, rtol=0)
         mine.settle()
-        assert mine._open_keys is None  # nothing in full precision is kept between passes but the residual
+        assert mine._open is None  # nothing in full precision is kept between passes but the residual
 
 
 def test_a_layer_settles_by_encoding_again_only_the_slots_a_method_changed():
@@ -75,13 +75,10 @@ def test_a_layer_settles_by_encoding_again_only_the_slots_a_method_changed():
     values = layer.values  # handed out, as to a merge: it may be written
     values[0, 1, 3, 0] += 1.0
     layer.settle()
-    for vectors in ("keys", "values"):
-        changed = sum((layer._packed[name] != tensor).flatten(3).any(-1).int() for name, tensor in before.items()
-                      if name.startswith(vectors + "."))
-        expected = torch.zeros_like(changed)
-        if vectors == "values":
-            expected[0, 1, 3] = 1
-        assert torch.equal(changed.clamp_max(1), expected), vectors
+    changed = sum((layer._packed[part] != tensor).any(-1).int() for part, tensor in before.items())  # (B, G, N, 2)
+    expected = torch.zeros_like(changed)
+    expected[0, 1, 3, 1] = 1  # the value of slot 3 in head 1; its key's bytes encode again as they were
+    assert torch.equal(changed.clamp_max(1), expected)
     assert float(layer.attended()[1][0, 1, 3, 0] - values[0, 1, 3, 0]).__abs__() < 0.1
 
 
@@ -98,7 +95,7 @@ def test_every_method_runs_on_a_quantized_cache_batched_as_alone_with_exact_leng
         assert batched[row].tolist() == alone[0].tolist()
         for mine, theirs in zip(batch_cache.layers, cache.layers):
             assert int(mine.n_kept[row]) == int(theirs.n_kept[0])
-            assert theirs._packed["keys.data"].shape[2] == theirs.token_index.shape[2]  # stored as held
+            assert theirs._packed["data"].shape[2] == theirs.token_index.shape[2]  # stored as held
     report = batch_cache.report()
     assert report.kv_bytes == sum(report.kv_parts.values()) == sum(layer.nbytes for layer in batch_cache.layers)
 
@@ -146,3 +143,28 @@ def test_a_saved_quantized_context_answers_alike(tmp_path):
     assert loaded.cache.quantization == context.cache.quantization
     assert loaded.nbytes == context.nbytes
     assert loaded.ask(["what?", "why?"], max_new_tokens=6).texts == answers
+
+
+def test_the_frontier_puts_every_run_at_its_measured_memory_and_marks_the_undominated(tmp_path):
+    import json
+
+    from d2o.eval.frontier import frontier, markdown
+    from d2o.eval.results import SampleStore
+
+    def folder(name, bits, runs):
+        path = tmp_path / name
+        path.mkdir()
+        identity = {"task": "passkey", "protocol": "prompt", "model": "m", **({"kv_bits": bits} if bits else {})}
+        (path / "config.json").write_text(json.dumps({"identity": identity}))
+        store = SampleStore(path / "samples.jsonl")
+        for method, budget, scores, held in runs:
+            for i, score in enumerate(scores):
+                store.append({"task": "passkey", "sample_id": f"s{i}", "method": method, "budget": budget,
+                              "score": score, "kv_bytes": held[i], "kv_bytes_full": 1000})
+        return path
+
+    rows = frontier([folder("float", None, [("h2o", "0.05", [0, 0], [50, 50]), ("h2o", "0.2", [1, 0], [200, 200])]),
+                     folder("four", 4, [("h2o", "0.2", [1, 1], [40, 60])])])
+    assert [(r["kv_bits"], r["budget"], r["kv_memory"], r["score"], r["best"]) for r in rows] == [
+        ("-", "0.05", 0.05, 0.0, False), (4, "0.2", 0.05, 1.0, True), ("-", "0.2", 0.2, 0.5, False)]
+    assert "| passkey | prompt | 5.0% | h2o | 4 | 0.2 | 2 | 1.000 | yes |" in markdown(rows)

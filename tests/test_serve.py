@@ -31,7 +31,7 @@ from d2o.serve.app import create_app
 from d2o.serve.app import serving as in_thread
 from d2o.options import parse_bytes
 from d2o.serve.config import ServeConfig
-from d2o.serve.engine import Engine
+from d2o.serve.engine import Engine, fit
 from d2o.serve.jobs import stable_text
 from d2o.serve.protocol import APIError, CompletionRequest
 
@@ -519,6 +519,22 @@ def test_a_cap_that_holds_two_full_caches_runs_eight_d2o_requests_at_once(real_m
     assert metrics["d2o_requests_running_peak" + d2o_key] >= 8  # measured, not computed
     assert metrics["d2o_requests_running_peak" + full_key] == 2
     assert metrics["d2o_kv_bytes_peak"] <= 2 * full.peak_bytes
+
+
+def test_a_server_storing_keys_at_4_bits_answers_as_generate_does_and_admits_by_the_packed_bytes(real_model):
+    model, tokenizer = real_model
+    prompt = essay(tokenizer, 400, skip=200)
+    expected = generate(model, tokenizer, prompt, "d2o", 0.2, max_new_tokens=12, kv_bits=4).texts[0]
+    with serving(model, tokenizer, kv_memory=parse_bytes("64MB"), kv_bits=4) as (url, _):
+        reply = client(url).completions.create(model="smollm2", prompt=prompt, max_tokens=12, temperature=0)
+        metrics = scrape(url)
+    assert reply.choices[0].text == expected
+    tokens = reply.usage.prompt_tokens
+    method, budget = get_method("d2o"), Budget.parse(0.2)
+    quantized = plan(model.config, method, budget, tokens, 12, evict_every=8, kv_bits=4)
+    unquantized = plan(model.config, method, budget, tokens, 12, evict_every=8)
+    assert quantized.peak_bytes < unquantized.peak_bytes / 2
+    assert metrics['d2o_kv_fit_requests{budget="0.2",method="d2o"}'] == fit(parse_bytes("64MB"), quantized)
 
 
 def test_a_full_queue_answers_503_with_retry_after(real_model):

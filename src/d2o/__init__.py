@@ -12,6 +12,7 @@ from d2o.errors import D2OError
 _LAZY = {
     "CacheReport": "d2o.engine.report",
     "CompressedCache": "d2o.engine.cache",
+    "KVQuantization": "d2o.engine.quantization",
     "install": "d2o.engine.attention",
     "uninstall": "d2o.engine.attention",
     "METHODS": "d2o.methods",

@@ -338,6 +338,23 @@ def compare(
 
 
 @app.command()
+def frontier(
+    results: list[Path] = typer.Argument(..., help="Folders d2o eval wrote (--out), e.g. one per --kv-bits."),
+    plot: Optional[Path] = typer.Option(None, help="Also draw score against KV memory into this PNG."),
+):
+    """Score against KV memory (share of the full cache's bytes) of every method, bits and budget:
+    tokens kept and bits per token compared at equal memory."""
+    from d2o.eval.frontier import frontier as run_frontier
+    from d2o.eval.frontier import markdown
+    from d2o.eval.frontier import plot as draw
+
+    rows = run_frontier(results)
+    print(markdown(rows), end="")
+    if plot is not None:
+        draw(rows, plot)
+
+
+@app.command()
 def tasks():
     """List the evaluation tasks and their options."""
     from dataclasses import fields

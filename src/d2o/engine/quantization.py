@@ -22,6 +22,7 @@ dequantize with torch operations too.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -29,23 +30,30 @@ from d2o.errors import D2OError
 from d2o.options import check_kv_bits, whole
 
 SCALE_DTYPE = torch.float16  # each group's step and zero point
-PARTS = ("data", "scale", "zero")  # what one quantized tensor is stored as, each (B, G, N, ...)
+GROUP_SIZE = 32  # channels per group by default (or the head dimension, if smaller)
+PARTS = ("data", "scale", "zero")  # what vectors are stored as, each (..., channels or groups)
+
+
+@lru_cache(maxsize=16)
+def _shifts(bits: int, device: torch.device) -> torch.Tensor:
+    """Where each of a byte's levels sits in it."""
+    return torch.arange(0, 8, bits, dtype=torch.uint8, device=device)
 
 
 @dataclass(frozen=True)
 class KVQuantization:
     """How a cache stores keys and values: ``bits`` per channel, ``group_size`` channels sharing a
-    step and zero point, the newest ``residual`` tokens of each row and KV head also held in full
-    precision."""
+    step and zero point (by default 32, or the head dimension if smaller), the newest ``residual``
+    tokens of each row and KV head also held in full precision."""
 
     bits: int = 4
-    group_size: int = 32
+    group_size: int | None = None
     residual: int = 32
 
     def __post_init__(self):
         if check_kv_bits(self.bits) is None:
             raise D2OError("KVQuantization needs bits: 8, 4 or 2")
-        if not whole(self.group_size) or self.group_size < 1:
+        if self.group_size is not None and (not whole(self.group_size) or self.group_size < 1):
             raise D2OError(f"kv_group_size={self.group_size!r} must be a whole number of channels >= 1")
         if not whole(self.residual) or self.residual < 0:
             raise D2OError(f"kv_residual={self.residual!r} must be a whole number of tokens >= 0")
@@ -58,37 +66,41 @@ class KVQuantization:
     def per_byte(self) -> int:
         return 8 // self.bits
 
+    def group(self, dim: int) -> int:
+        """Channels per group of a vector of ``dim`` channels."""
+        return self.group_size or min(GROUP_SIZE, dim)
+
     def check(self, dim: int) -> None:
         """Refuse a head dimension the groups or the packing do not divide."""
-        if dim % self.group_size or dim % self.per_byte:
-            raise D2OError(f"kv_group_size={self.group_size} does not divide this model's head dimension {dim} "
-                           f"(at {self.bits} bits, {self.per_byte} channels share a byte): choose a divisor of {dim}")
+        group = self.group(dim)
+        if dim % group or group % self.per_byte:
+            raise D2OError(f"kv_group_size={group} does not divide this model's head dimension {dim} into groups "
+                           f"of whole bytes (at {self.bits} bits, {self.per_byte} channels share a byte)")
 
     def token_bytes(self, dim: int) -> int:
         """Bytes one token's vector of ``dim`` channels takes: packed levels, steps and zero points."""
-        return dim // self.per_byte + 2 * (dim // self.group_size) * SCALE_DTYPE.itemsize
+        return dim // self.per_byte + 2 * (dim // self.group(dim)) * SCALE_DTYPE.itemsize
 
     def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         """``x`` (..., D) as ``PARTS``: ``data`` (..., D / per_byte) uint8, ``scale`` and ``zero``
         (..., D / group_size) float16. Computed in float32 whatever ``x``'s dtype."""
-        self.check(x.shape[-1])
-        groups = x.float().unflatten(-1, (-1, self.group_size))
-        low, high = groups.amin(-1), groups.amax(-1)
+        group = self.group(x.shape[-1])
+        groups = x.float().unflatten(-1, (x.shape[-1] // group, group))
+        low, high = torch.aminmax(groups, dim=-1)
         zero = low.to(SCALE_DTYPE)
-        scale = ((high - low) / self.levels).to(SCALE_DTYPE).clamp_min(torch.finfo(SCALE_DTYPE).tiny)
+        scale = ((high - low) / self.levels).to(SCALE_DTYPE).clamp_min_(torch.finfo(SCALE_DTYPE).tiny)
         # Levels from the rounded step and zero point, so that decoding and encoding again give the same bytes.
-        levels = ((groups - zero.float()[..., None]) / scale.float()[..., None]).round_().clamp_(0, self.levels)
-        levels = levels.to(torch.uint8).flatten(-2).unflatten(-1, (-1, self.per_byte))
-        shifts = torch.arange(0, 8, self.bits, dtype=torch.uint8, device=x.device)
-        data = (levels << shifts).sum(-1, dtype=torch.uint8)
+        levels = (groups - zero.float()[..., None]).div_(scale.float()[..., None]).round_().clamp_(0, self.levels)
+        levels = levels.to(torch.uint8).view(*x.shape[:-1], x.shape[-1] // self.per_byte, self.per_byte)
+        data = (levels << _shifts(self.bits, x.device)).sum(-1, dtype=torch.uint8)
         return {"data": data, "scale": scale, "zero": zero}
 
     def decode(self, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """The vectors (..., D) in ``dtype`` that ``parts`` (from ``encode``) stand for."""
         data = parts["data"]
-        shifts = torch.arange(0, 8, self.bits, dtype=torch.uint8, device=data.device)
-        levels = ((data[..., None] >> shifts) & self.levels).flatten(-2)
-        groups = levels.unflatten(-1, (-1, self.group_size)).to(torch.float32)
-        vectors = groups * parts["scale"].float()[..., None] + parts["zero"].float()[..., None]
+        levels = (data[..., None] >> _shifts(self.bits, data.device)).bitwise_and_(self.levels)
+        dim = data.shape[-1] * self.per_byte
+        group = self.group(dim)
+        groups = levels.view(*data.shape[:-1], dim // group, group).to(torch.float32)
+        vectors = torch.addcmul(parts["zero"].float()[..., None], groups, parts["scale"].float()[..., None])
         return vectors.flatten(-2).to(dtype)
-

@@ -1,7 +1,8 @@
 """A cache layer that stores its keys and values at 8, 4 or 2 bits (``quantization``).
 
-Between passes the layer holds each slot's packed levels, steps and zero points (per-slot tensors,
-so eviction, merging and batching move them as they move full-precision keys), and the newest
+Between passes the layer holds each slot's packed levels, steps and zero points, its key's and its
+value's side by side (per-slot tensors (B, G, N, 2, ...), so eviction, merging and batching move
+them as they move full-precision keys, and one encoding or decoding serves both), and the newest
 ``residual`` tokens of each row and KV head also in full precision: ``ring``, their slots and
 vectors. A pass that attends opens the layer: every slot decoded, the residual's tokens written
 over their decoded copies, the new tokens written in full precision; the attention reads that, and
@@ -17,7 +18,9 @@ import torch
 
 from d2o.engine.quantization import PARTS, KVQuantization
 from d2o.engine.storage import CompressedLayer, _flat
+from d2o.errors import D2OError
 
+KEY, VALUE = 0, 1  # where keys and values sit in the stored and open tensors (B, G, N, 2, ...)
 VECTORS = ("keys", "values")
 
 
@@ -29,80 +32,75 @@ class QuantizedLayer(CompressedLayer):
         super().__init__(cache, layer_idx, window)
 
     def _clear(self) -> None:
-        self._open_keys = self._open_values = None  # full precision, while a pass uses them
+        self._open: torch.Tensor | None = None  # (B, G, N, 2, D) in full precision, while a pass uses them
         self._exposed = False  # the open copy was handed out: a method may have written into it
-        self._packed: dict[str, torch.Tensor] | None = None  # "keys.data", "keys.scale", ...: (B, G, N, ...)
-        # The newest tokens in full precision: slots (B, G, r) (-1: no longer held there), keys, values.
-        self.ring: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._packed: dict[str, torch.Tensor] | None = None  # PARTS, each (B, G, N, 2, ...)
+        # The newest tokens in full precision: slots (B, G, r) (-1: no longer held there), vectors (B, G, r, 2, D).
+        self.ring: tuple[torch.Tensor, torch.Tensor] | None = None
         super()._clear()
 
     # -- the keys and values, as methods see them ---------------------------------------------
     @property
     def keys(self) -> torch.Tensor | None:
-        return self._expose()[0]
+        return self._expose(KEY)
 
     @keys.setter
     def keys(self, value) -> None:
-        if value is not None:
-            raise TypeError("a quantized layer's keys are set through adopt()")
-        self._open_keys = self._packed = self.ring = None
+        self._reset(value)
 
     @property
     def values(self) -> torch.Tensor | None:
-        return self._expose()[1]
+        return self._expose(VALUE)
 
     @values.setter
     def values(self, value) -> None:
-        if value is not None:
-            raise TypeError("a quantized layer's values are set through adopt()")
-        self._open_values = self._packed = self.ring = None
+        self._reset(value)
 
-    def _expose(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def _reset(self, value) -> None:
+        if value is not None:
+            raise TypeError("a quantized layer's keys and values are set through adopt()")
+        self._open = self._packed = self.ring = None
+
+    def _expose(self, which: int) -> torch.Tensor | None:
         if self._packed is None:
-            return None, None
+            return None
         self._exposed = True
-        return self.attended()
+        return self.attended()[which]
 
     # -- storage --------------------------------------------------------------------------------
     def attended(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The open copy: every slot decoded, the residual's tokens in full precision."""
-        if self._open_keys is None:
-            self._open_keys, self._open_values = self._decoded()
-        return self._open_keys, self._open_values
+        if self._open is None:
+            self._open = self._decoded()
+        return self._open[:, :, :, KEY], self._open[:, :, :, VALUE]
 
-    def _decoded(self) -> tuple[torch.Tensor, torch.Tensor]:
-        keys, values = (self.quantization.decode({part: self._packed[f"{name}.{part}"] for part in PARTS}, self.dtype)
-                        for name in VECTORS)
+    def _decoded(self) -> torch.Tensor:
+        opened = self.quantization.decode(self._packed, self.dtype)
         if self.ring is not None:
-            slots, *held = self.ring
-            valid, index = slots >= 0, slots.clamp_min(0)[..., None]
-            for tensor, vectors in zip((keys, values), held):
-                index_d = index.expand(*index.shape[:3], tensor.shape[-1])
-                # Added, not written (entries no longer held point at slot 0 and add nothing): the
-                # decoded vector is taken away, which leaves exactly 0, then the held one added.
-                held_here = valid[..., None]
-                tensor.scatter_add_(2, index_d, torch.where(held_here, -tensor.gather(2, index_d), 0))
-                tensor.scatter_add_(2, index_d, torch.where(held_here, vectors, 0))
-        return keys, values
+            slots, held = self.ring
+            index = slots.clamp_min(0)[..., None, None].expand(held.shape)
+            # Added, not written (entries no longer held point at slot 0 and add nothing): the decoded
+            # vectors are taken away, which leaves exactly 0, then the held ones added.
+            here = (slots >= 0)[..., None, None]
+            opened.scatter_add_(2, index, torch.where(here, -opened.gather(2, index), 0))
+            opened.scatter_add_(2, index, torch.where(here, held, 0))
+        return opened
 
     def settle(self) -> None:
         """Drop the open copy; slots a method changed in it are encoded again first, and the
         residual's copies of them follow."""
-        if self._open_keys is None:
+        opened = self._open
+        if opened is None:
             return
         if self._exposed:
-            for name, opened, before in zip(VECTORS, (self._open_keys, self._open_values), self._decoded()):
-                changed = (opened != before).any(-1, keepdim=True)
-                if bool(changed.any()):  # a new dict: a copy of this cache may share the old one
-                    encoded = self.quantization.encode(opened)
-                    self._packed = {**self._packed, **{f"{name}.{part}": torch.where(
-                        changed, encoded[part], self._packed[f"{name}.{part}"]) for part in PARTS}}
+            changed = (opened != self._decoded()).flatten(3).any(-1)[..., None, None]
+            if bool(changed.any()):  # a new dict: a copy of this cache may share the old one
+                encoded = self.quantization.encode(opened)
+                self._packed = {part: torch.where(changed, encoded[part], self._packed[part]) for part in PARTS}
             if self.ring is not None:
-                slots, *held = self.ring
-                index = slots.clamp_min(0)[..., None]
-                self.ring = (slots, *(opened.gather(2, index.expand(*index.shape[:3], opened.shape[-1]))
-                                      for opened in (self._open_keys, self._open_values)))
-        self._open_keys = self._open_values = None
+                slots, held = self.ring
+                self.ring = (slots, opened.gather(2, slots.clamp_min(0)[..., None, None].expand(held.shape)))
+        self._open = None
         self._exposed = False
 
     def _stored(self) -> dict[str, torch.Tensor]:
@@ -111,64 +109,64 @@ class QuantizedLayer(CompressedLayer):
 
     def _store(self, stored: dict[str, torch.Tensor]) -> None:
         self._packed = dict(stored)
-        self._open_keys = self._open_values = None
+        self._open = None
         self._exposed = False
 
     def adopt(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        self._store(self._encoded(keys, values))
+        if keys.shape[-1] != values.shape[-1]:
+            raise D2OError(f"kv_bits stores a key and a value side by side: this model's keys have {keys.shape[-1]} "
+                           f"channels and its values {values.shape[-1]}")
+        self.quantization.check(keys.shape[-1])
+        vectors = torch.stack([keys, values], dim=3)
+        self._store(self.quantization.encode(vectors))
         self.ring = None
-        count = min(self.quantization.residual, keys.shape[2])
-        slots = torch.arange(keys.shape[2] - count, keys.shape[2], device=keys.device)
-        self._hold_newest(slots.expand(*keys.shape[:2], count), keys[:, :, keys.shape[2] - count:],
-                          values[:, :, keys.shape[2] - count:])
-
-    def _encoded(self, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {f"{name}.{part}": tensor for name, vectors in zip(VECTORS, (keys, values))
-                for part, tensor in self.quantization.encode(vectors).items()}
+        self._hold_newest(0, vectors)
 
     def _write(self, written, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         slots, key_slots, value_slots = written
         keys, values = self.attended()
         keys.scatter_(2, key_slots, key_states)
         values.scatter_(2, value_slots, value_states)
+        vectors = torch.stack([key_states, value_states], dim=3)
         rows = self.rows_of(slots)
-        for name, tensor in self._encoded(key_states, value_states).items():
-            _flat(self._packed[name]).index_copy_(0, rows, tensor.reshape(rows.shape[0], -1))
-        self._hold_newest(slots, key_states, value_states)
+        for part, tensor in self.quantization.encode(vectors).items():
+            _flat(self._packed[part]).index_copy_(0, rows, tensor.view(rows.shape[0], -1))
+        self._hold_newest(slots, vectors)
 
     def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        keys, values = self.attended()
-        n_slots, added = keys.shape[2], key_states.shape[2]
-        self._open_keys = torch.cat([keys, key_states], dim=2)
-        self._open_values = torch.cat([values, value_states], dim=2)
-        encoded = self._encoded(key_states, value_states)
-        self._packed = {name: torch.cat([tensor, encoded[name]], dim=2) for name, tensor in self._packed.items()}
-        count = min(self.quantization.residual, added)
-        slots = torch.arange(n_slots + added - count, n_slots + added, device=keys.device)
-        self._hold_newest(slots.expand(*keys.shape[:2], count), key_states[:, :, added - count:],
-                          value_states[:, :, added - count:])
+        self.attended()
+        vectors = torch.stack([key_states, value_states], dim=3)
+        n_slots = self._open.shape[2]
+        self._open = torch.cat([self._open, vectors], dim=2)
+        encoded = self.quantization.encode(vectors)
+        self._packed = {part: torch.cat([tensor, encoded[part]], dim=2) for part, tensor in self._packed.items()}
+        self._hold_newest(n_slots, vectors)
 
-    def _hold_newest(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Hold the tokens just written to ``slots`` (B, G, q) in full precision, as the residual's
-        newest; an older entry for one of those slots (a token evicted from it) is dropped."""
+    def _hold_newest(self, slots: torch.Tensor | int, vectors: torch.Tensor) -> None:
+        """Hold the tokens just written, ``vectors`` (B, G, q, 2, D), in full precision as the
+        residual's newest: into ``slots`` (B, G, 1) (an older entry for that slot, a token evicted
+        from it, is dropped), or (an int) appended from that slot on."""
         residual = self.quantization.residual
-        if not residual or not slots.shape[2]:
+        added = vectors.shape[2]
+        if not residual or not added:
             return
+        if isinstance(slots, int):
+            count = min(residual, added)
+            slots = torch.arange(slots + added - count, slots + added, device=vectors.device)
+            slots, vectors = slots.expand(*vectors.shape[:2], count), vectors[:, :, added - count:]
         if self.ring is None:
-            self.ring = (slots, keys, values)
+            self.ring = (slots, vectors)
             return
-        held_slots, held_keys, held_values = self.ring
+        held_slots, held = self.ring
         if slots.shape[2] == 1:
             held_slots = held_slots.masked_fill(held_slots == slots, -1)
-        self.ring = tuple(torch.cat([old, new], dim=2)[:, :, -residual:]
-                          for old, new in ((held_slots, slots), (held_keys, keys), (held_values, values)))
+        self.ring = (torch.cat([held_slots, slots], dim=2)[:, :, -residual:],
+                     torch.cat([held, vectors], dim=2)[:, :, -residual:])
 
     def _take_vectors(self, take, vectors: tuple[str, ...]) -> dict[str, torch.Tensor]:
-        if self._open_keys is not None:
-            opened = dict(zip(VECTORS, (self._open_keys, self._open_values)))
-            return {name: take(opened[name]) for name in vectors}
-        return {name: self.quantization.decode({part: take(self._packed[f"{name}.{part}"]) for part in PARTS},
-                                               self.dtype) for name in vectors}
+        both = take(self._open) if self._open is not None else \
+            self.quantization.decode({part: take(tensor) for part, tensor in self._packed.items()}, self.dtype)
+        return {name: both[:, :, :, VECTORS.index(name)] for name in vectors}
 
     # -- slot operations: the residual's slots follow -------------------------------------------
     def keep(self, keep: torch.Tensor, keep_valid: torch.Tensor, slack: int = 0) -> None:
@@ -178,8 +176,8 @@ class QuantizedLayer(CompressedLayer):
             position = torch.where(keep_valid[:, None, :], position, -1)
             moved = torch.full(self.token_index.shape, -1, dtype=keep.dtype, device=keep.device)
             moved.scatter_reduce_(2, keep, position, "amax")  # each old slot's new slot (-1: evicted)
-            slots, *held = self.ring
-            self.ring = (torch.where(slots >= 0, moved.gather(2, slots.clamp_min(0)), -1), *held)
+            slots, held = self.ring
+            self.ring = (torch.where(slots >= 0, moved.gather(2, slots.clamp_min(0)), -1), held)
         super().keep(keep, keep_valid, slack)
 
     def select_rows(self, index: torch.Tensor) -> None:
@@ -200,11 +198,10 @@ class QuantizedLayer(CompressedLayer):
             batch, heads = layer.token_index.shape[:2]
             if ring is None:
                 ring = (layer.token_index.new_empty((batch, heads, 0)),
-                        torch.empty((batch, heads, 0, layer.key_dim), dtype=layer.dtype, device=layer.device),
-                        torch.empty((batch, heads, 0, layer.value_dim), dtype=layer.dtype, device=layer.device))
+                        torch.empty((batch, heads, 0, 2, layer.key_dim), dtype=layer.dtype, device=layer.device))
             missing = longest - ring[0].shape[2]  # older entries, held nowhere
             parts.append(tuple(torch.cat([tensor.new_full((*tensor.shape[:2], missing, *tensor.shape[3:]), fill),
-                                          tensor], dim=2) for tensor, fill in zip(ring, (-1, 0, 0))))
+                                          tensor], dim=2) for tensor, fill in zip(ring, (-1, 0))))
         self.ring = tuple(torch.cat(tensors) for tensors in zip(*parts))
 
     def snapshot(self) -> tuple:
@@ -226,6 +223,5 @@ class QuantizedLayer(CompressedLayer):
         if not self.is_initialized:
             return {"levels": 0, "scales": 0, "residual": 0}
         stored = self._stored()
-        return {"levels": sum(stored[f"{name}.data"].nbytes for name in VECTORS),
-                "scales": sum(stored[f"{name}.{part}"].nbytes for name in VECTORS for part in ("scale", "zero")),
+        return {"levels": stored["data"].nbytes, "scales": stored["scale"].nbytes + stored["zero"].nbytes,
                 "residual": 0 if self.ring is None else sum(tensor.nbytes for tensor in self.ring)}

@@ -621,7 +621,7 @@ class CompressedLayer(CacheLayerMixin):
         if not bool(keep_valid.all()):
             empty = ~keep_valid[:, None, :]
             for tensor in stored.values():
-                tensor.masked_fill_(empty[..., None], 0)
+                tensor.masked_fill_(empty.view(*empty.shape, *(1,) * (tensor.dim() - 3)), 0)
             token_index.masked_fill_(empty, -1)
         slot_state = {name: take_slots(state, keep) for name, state in self.slot_state.items()}
         log_weight = None if self.log_weight is None else take_slots(self.log_weight, keep)

@@ -55,7 +55,8 @@ def result_line(task, sample, outcome) -> dict:
         "method": outcome.run.method, "budget": str(outcome.run.budget), "prediction": outcome.prediction,
         "gold": sample.gold, "score": outcome.scores[task.metrics[0]], "scores": outcome.scores, **outcome.extra,
         "kv_tokens_kept": report.kv_tokens_kept, "kv_tokens_full": report.kv_tokens_full,
-        "kv_bytes": report.kv_bytes, "layer_budgets": report.layer_budgets, "seconds": round(outcome.seconds, 3),
+        "kv_bytes": report.kv_bytes, "kv_bytes_full": report.kv_bytes_full, "layer_budgets": report.layer_budgets,
+        "seconds": round(outcome.seconds, 3),
         "prefill_seconds": None if outcome.prefill_seconds is None else round(outcome.prefill_seconds, 3),
         "meta": {k: v for k, v in sample.meta.items() if k != "all_classes"},
     }

@@ -382,8 +382,9 @@ def _restore_cache(cache: CompressedCache, tensors: dict[str, torch.Tensor], met
                                     for dim in saved["dims"]))
         layer._store({name[len(f"{i}.stored."):]: tensor for name, tensor in tensors.items()
                       if name.startswith(f"{i}.stored.")})
-        if f"{i}.ring.0" in tensors:
-            layer.ring = tuple(tensors[f"{i}.ring.{j}"] for j in range(3))
+        ring = [tensors[name] for name in sorted(tensors) if name.startswith(f"{i}.ring.")]
+        if ring:
+            layer.ring = tuple(ring)
         for name in _LAYER_TENSORS:
             setattr(layer, name, tensors.get(f"{i}.{name}"))
         layer.slot_state = {name: tensors[f"{i}.slot.{name}"] for name in saved["slots"]}
