@@ -95,12 +95,24 @@ class KVQuantization:
         data = (levels << _shifts(self.bits, x.device)).sum(-1, dtype=torch.uint8)
         return {"data": data, "scale": scale, "zero": zero}
 
-    def decode(self, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        """The vectors (..., D) in ``dtype`` that ``parts`` (from ``encode``) stand for."""
+    def decode(self, parts: dict[str, torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+        """The vectors (..., D) that ``parts`` (from ``encode``) stand for, in float32: written into
+        ``out`` if given (a float32 tensor of that shape, a view of a larger one is fine)."""
         data = parts["data"]
-        levels = (data[..., None] >> _shifts(self.bits, data.device)).bitwise_and_(self.levels)
-        dim = data.shape[-1] * self.per_byte
+        per_byte = self.per_byte
+        dim = data.shape[-1] * per_byte
+        if out is None:
+            out = torch.empty((*data.shape[:-1], dim), dtype=torch.float32, device=data.device)
+        # Each level written straight into float32, then scaled and shifted in place (an addcmul
+        # broadcasting a step over each group is several times slower on a CPU).
+        levels = out.unflatten(-1, (data.shape[-1], per_byte))
+        for i in range(per_byte):
+            shifted = data >> (self.bits * i) if i else data
+            if i < per_byte - 1:
+                torch.bitwise_and(shifted, self.levels, out=levels[..., i])
+            else:  # the highest bits need no mask
+                levels[..., i].copy_(shifted)
         group = self.group(dim)
-        groups = levels.view(*data.shape[:-1], dim // group, group).to(torch.float32)
-        vectors = torch.addcmul(parts["zero"].float()[..., None], groups, parts["scale"].float()[..., None])
-        return vectors.flatten(-2).to(dtype)
+        groups = out.unflatten(-1, (dim // group, group))
+        groups.mul_(parts["scale"].float()[..., None]).add_(parts["zero"].float()[..., None])
+        return out

@@ -64,8 +64,11 @@ class QuantizedLayer(CompressedLayer):
     def _expose(self, which: int) -> torch.Tensor | None:
         if self._packed is None:
             return None
-        self._exposed = True
-        return self.attended()[which]
+        self.attended()
+        if not self._exposed:  # without the scratch slot, so that a method may view it flat (B * G * N, D)
+            self._open = self._open.contiguous()
+            self._exposed = True
+        return self._open[:, :, :, which]
 
     # -- storage --------------------------------------------------------------------------------
     def attended(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,16 +78,16 @@ class QuantizedLayer(CompressedLayer):
         return self._open[:, :, :, KEY], self._open[:, :, :, VALUE]
 
     def _decoded(self) -> torch.Tensor:
-        opened = self.quantization.decode(self._packed, self.dtype)
+        data = self._packed["data"]
+        batch, heads, n_slots = data.shape[:3]
+        # One slot more than stored: where the residual's entries no longer held write (and nothing reads).
+        opened = torch.empty((batch, heads, n_slots + 1, 2, self.key_dim), dtype=torch.float32, device=data.device)
+        self.quantization.decode(self._packed, out=opened[:, :, :n_slots])
+        opened = opened.to(self.dtype)
         if self.ring is not None:
             slots, held = self.ring
-            index = slots.clamp_min(0)[..., None, None].expand(held.shape)
-            # Added, not written (entries no longer held point at slot 0 and add nothing): the decoded
-            # vectors are taken away, which leaves exactly 0, then the held ones added.
-            here = (slots >= 0)[..., None, None]
-            opened.scatter_add_(2, index, torch.where(here, -opened.gather(2, index), 0))
-            opened.scatter_add_(2, index, torch.where(here, held, 0))
-        return opened
+            opened.scatter_(2, torch.where(slots >= 0, slots, n_slots)[..., None, None].expand(held.shape), held)
+        return opened[:, :, :n_slots]
 
     def settle(self) -> None:
         """Drop the open copy; slots a method changed in it are encoded again first, and the
@@ -165,7 +168,7 @@ class QuantizedLayer(CompressedLayer):
 
     def _take_vectors(self, take, vectors: tuple[str, ...]) -> dict[str, torch.Tensor]:
         both = take(self._open) if self._open is not None else \
-            self.quantization.decode({part: take(tensor) for part, tensor in self._packed.items()}, self.dtype)
+            self.quantization.decode({part: take(tensor) for part, tensor in self._packed.items()}).to(self.dtype)
         return {name: both[:, :, :, VECTORS.index(name)] for name in vectors}
 
     # -- slot operations: the residual's slots follow -------------------------------------------
