@@ -71,7 +71,7 @@ def test_a_layer_settles_by_encoding_again_only_the_slots_a_method_changed():
     with torch.inference_mode():
         model(input_ids=random_ids(20), cache=cache)
     layer = cache.layers[1]
-    before = dict(layer._packed)
+    before = {part: tensor.clone() for part, tensor in layer._packed.items()}
     values = layer.values  # handed out, as to a merge: it may be written
     values[0, 1, 3, 0] += 1.0
     layer.settle()
@@ -168,3 +168,36 @@ def test_the_frontier_puts_every_run_at_its_measured_memory_and_marks_the_undomi
     assert [(r["kv_bits"], r["budget"], r["kv_memory"], r["score"], r["best"]) for r in rows] == [
         ("-", "0.05", 0.05, 0.0, False), (4, "0.2", 0.05, 1.0, True), ("-", "0.2", 0.2, 0.5, False)]
     assert "| passkey | prompt | 5.0% | h2o | 4 | 0.2 | 2 | 1.000 | yes |" in markdown(rows)
+
+
+def test_caches_that_store_keys_differently_do_not_share_a_batch():
+    model = tiny_model()
+    caches = [cache_of(model, "h2o", 0.5, bits) for bits in (None, 4)]
+    for cache in caches:
+        with torch.inference_mode():
+            model(input_ids=random_ids(40), cache=cache)
+    with pytest.raises(D2OError, match="store keys and values alike"):
+        caches[0].join([caches[1]])
+
+
+@pytest.mark.parametrize("residual", [0, 3])
+def test_every_stored_token_is_the_encoding_of_its_exact_vectors_however_late_it_was_written(residual):
+    model = tiny_model()
+    cache = cache_of(model, "h2o", 0.5, 4, residual=residual)  # decode steps write into evicted tokens' slots
+    fed = {layer.layer_idx: [] for layer in cache.layers}
+    for layer in cache.layers:  # every vector the layer is given, in token order
+        def update(keys, values, *args, _update=layer.update, _fed=fed[layer.layer_idx], **kwargs):
+            _fed.append(torch.stack([keys, values], dim=3))
+            return _update(keys, values, *args, **kwargs)
+        layer.update = update
+    greedy(model, random_ids(40), cache, steps=9)  # 8 decode steps: written in batches of 3 (2 left at the end)
+    for layer in cache.layers:
+        exact = torch.cat(fed[layer.layer_idx], dim=2)  # (1, G, tokens, 2, D)
+        index = layer.token_index  # (1, G, N): which token each slot holds (-1: the empty one)
+        held = index >= 0
+        picked = exact.gather(2, index.clamp_min(0)[..., None, None].expand(*index.shape, 2, 16))
+        expected = KVQuantization(bits=4).encode(picked)
+        stored = layer._stored()
+        assert int(held.sum()) == 2 * int(layer.budget[0]) == 2 * 20
+        assert all(torch.equal(stored[part][held], expected[part][held]) for part in expected)
+        assert layer.token_index.shape[2] == 21  # the budget + the slot the next token is written into

@@ -221,6 +221,8 @@ class CompressedCache(Cache):
         """Why ``other``'s rows cannot join this cache's now (None: they can)."""
         if other.policy != self.policy or other.budget != self.budget or other.kv_repeats != self.kv_repeats:
             return "only caches of the same method and budget can share a batch"
+        if other.quantization != self.quantization:
+            return "only caches that store keys and values alike (kv_bits) can share a batch"
         if other.allocated != self.allocated or other._holds or self._holds:
             return "caches join a batch once both are compressing (after their prefill), never while held"
         return None

@@ -6,7 +6,9 @@ them as they move full-precision keys, and one encoding or decoding serves both)
 ``residual`` tokens of each row and KV head also in full precision: ``ring``, their slots and
 vectors. A pass that attends opens the layer: every slot decoded, the residual's tokens written
 over their decoded copies, the new tokens written in full precision; the attention reads that, and
-the layer is settled (closed) after it, the new tokens' bytes written beside the others. Nothing
+the layer is settled (closed) after it. A decode step's token is encoded later, with the others
+written since, before anything reads the stored bytes or the token leaves the residual: until then
+its slot's bytes are never read (the residual is read instead), and one encoding serves many steps. Nothing
 else is re-quantized: a method that reads the keys or values (a merge, a scorer) gets the open
 copy, and when the layer settles only the slots whose vectors it changed are encoded again.
 Statistics and scores are computed from the open copy, in float32, as in an unquantized layer.
@@ -16,7 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from d2o.engine.quantization import PARTS, KVQuantization
+from d2o.engine.quantization import KVQuantization
+from d2o.engine.selection import row_offsets
 from d2o.engine.storage import CompressedLayer, _flat
 from d2o.errors import D2OError
 
@@ -33,10 +36,12 @@ class QuantizedLayer(CompressedLayer):
 
     def _clear(self) -> None:
         self._open: torch.Tensor | None = None  # (B, G, N, 2, D) in full precision, while a pass uses them
-        self._exposed = False  # the open copy was handed out: a method may have written into it
+        # The open copy as it was when handed out to a method, which may write into the copy (None: not handed out).
+        self._before: torch.Tensor | None = None
         self._packed: dict[str, torch.Tensor] | None = None  # PARTS, each (B, G, N, 2, ...)
         # The newest tokens in full precision: slots (B, G, r) (-1: no longer held there), vectors (B, G, r, 2, D).
         self.ring: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._unencoded = 0  # the residual's newest entries whose bytes are not written yet
         super()._clear()
 
     # -- the keys and values, as methods see them ---------------------------------------------
@@ -65,9 +70,8 @@ class QuantizedLayer(CompressedLayer):
         if self._packed is None:
             return None
         self.attended()
-        if not self._exposed:  # without the scratch slot, so that a method may view it flat (B * G * N, D)
-            self._open = self._open.contiguous()
-            self._exposed = True
+        if self._before is None:  # a copy without the scratch slot, so that a method may view it flat (B * G * N, D)
+            self._before, self._open = self._open, self._open.clone(memory_format=torch.contiguous_format)
         return self._open[:, :, :, which]
 
     # -- storage --------------------------------------------------------------------------------
@@ -95,25 +99,30 @@ class QuantizedLayer(CompressedLayer):
         opened = self._open
         if opened is None:
             return
-        if self._exposed:
-            changed = (opened != self._decoded()).flatten(3).any(-1)[..., None, None]
-            if bool(changed.any()):  # a new dict: a copy of this cache may share the old one
-                encoded = self.quantization.encode(opened)
-                self._packed = {part: torch.where(changed, encoded[part], self._packed[part]) for part in PARTS}
+        if self._before is not None:
+            self._encode_newest()
+            rows = (opened != self._before).flatten(3).any(-1).flatten().nonzero()[:, 0]  # slots of the flat views
+            if rows.numel():
+                vectors = opened.reshape(-1, *opened.shape[3:]).index_select(0, rows)
+                packed = self._packed if self.owns_storage else {part: t.clone() for part, t in self._packed.items()}
+                with torch.inference_mode(packed["data"].is_inference()):
+                    for part, tensor in self.quantization.encode(vectors).items():
+                        _flat(packed[part]).index_copy_(0, rows, tensor.reshape(rows.shape[0], -1))
+                self._packed = packed
             if self.ring is not None:
                 slots, held = self.ring
                 self.ring = (slots, opened.gather(2, slots.clamp_min(0)[..., None, None].expand(held.shape)))
-        self._open = None
-        self._exposed = False
+        self._open = self._before = None
 
     def _stored(self) -> dict[str, torch.Tensor]:
         self.settle()
+        self._encode_newest()
         return dict(self._packed)
 
     def _store(self, stored: dict[str, torch.Tensor]) -> None:
         self._packed = dict(stored)
-        self._open = None
-        self._exposed = False
+        self._open = self._before = None
+        self._unencoded = 0
 
     def adopt(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         if keys.shape[-1] != values.shape[-1]:
@@ -131,12 +140,36 @@ class QuantizedLayer(CompressedLayer):
         keys.scatter_(2, key_slots, key_states)
         values.scatter_(2, value_slots, value_states)
         vectors = torch.stack([key_states, value_states], dim=3)
-        rows = self.rows_of(slots)
-        for part, tensor in self.quantization.encode(vectors).items():
-            _flat(self._packed[part]).index_copy_(0, rows, tensor.view(rows.shape[0], -1))
+        if not self.quantization.residual:  # nowhere else to read it from: its bytes now
+            rows = self.rows_of(slots)
+            for part, tensor in self.quantization.encode(vectors).items():
+                _flat(self._packed[part]).index_copy_(0, rows, tensor.view(rows.shape[0], -1))
+            return
         self._hold_newest(slots, vectors)
+        self._unencoded += 1
+        if self._unencoded == self.quantization.residual:  # the next one would push it out unencoded
+            self._encode_newest()
+
+    def _encode_newest(self) -> None:
+        """Write the bytes of the residual's entries written since the last time (decode steps'
+        tokens) into their slots; an entry whose slot took a newer token since has none to write."""
+        count, self._unencoded = self._unencoded, 0
+        if not count:
+            return
+        slots, held = self.ring
+        slots, held = slots[:, :, -count:], held[:, :, -count:]
+        rows = (slots + row_offsets(*slots.shape[:2], self._packed["data"].shape[2], slots.device)).flatten()
+        still = (slots >= 0).flatten()
+        if not bool(still.all()):
+            rows = rows[still]
+        # In the mode the tensors were made in (a report after generate asks for the bytes outside it).
+        with torch.inference_mode(self._packed["data"].is_inference()):
+            for part, tensor in self.quantization.encode(held).items():
+                flat = tensor.reshape(still.shape[0], -1)
+                _flat(self._packed[part]).index_copy_(0, rows, flat if rows.shape[0] == still.shape[0] else flat[still])
 
     def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self._encode_newest()  # the tokens appended push older ones out of the residual
         self.attended()
         vectors = torch.stack([key_states, value_states], dim=3)
         n_slots = self._open.shape[2]
@@ -167,13 +200,14 @@ class QuantizedLayer(CompressedLayer):
                      torch.cat([held, vectors], dim=2)[:, :, -residual:])
 
     def _take_vectors(self, take, vectors: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        self._encode_newest()
         both = take(self._open) if self._open is not None else \
             self.quantization.decode({part: take(tensor) for part, tensor in self._packed.items()}).to(self.dtype)
         return {name: both[:, :, :, VECTORS.index(name)] for name in vectors}
 
     # -- slot operations: the residual's slots follow -------------------------------------------
     def keep(self, keep: torch.Tensor, keep_valid: torch.Tensor, slack: int = 0) -> None:
-        self.settle()
+        self._stored()  # written out before the residual's slots move
         if self.ring is not None:
             position = torch.arange(keep.shape[2], device=keep.device).expand_as(keep)
             position = torch.where(keep_valid[:, None, :], position, -1)
@@ -209,6 +243,11 @@ class QuantizedLayer(CompressedLayer):
 
     def snapshot(self) -> tuple:
         return super().snapshot(), self.ring
+
+    def copy_for(self, cache) -> CompressedLayer:
+        if self.is_initialized:  # written out: the copy shares the stored tensors, which neither then writes
+            self._stored()
+        return super().copy_for(cache)
 
     def restore(self, snapshot: tuple) -> None:
         stored, self.ring = snapshot

@@ -16,6 +16,10 @@ one made while decoding in batches of steps, which marks its slots empty for the
 slots an eviction empties in every row are ``Vacancies``: where each of the next tokens goes, and
 what it writes there, prepared at the eviction, so that a step between evictions writes its token
 with four in-place writes and computes nothing about where.
+
+How keys and values are stored is this class's narrow part (``_stored``/``_store``, ``_write``,
+``_append``, ``attended``, ``settle``): slot operations apply to whatever per-slot tensors
+``_stored`` gives, so that ``quantized.QuantizedLayer`` stores them packed at fewer bits.
 """
 
 from __future__ import annotations
