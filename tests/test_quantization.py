@@ -164,9 +164,10 @@ def test_the_frontier_puts_every_run_at_its_measured_memory_and_marks_the_undomi
         return path
 
     rows = frontier([folder("float", None, [("h2o", "0.05", [0, 0], [50, 50]), ("h2o", "0.2", [1, 0], [200, 200])]),
-                     folder("four", 4, [("h2o", "0.2", [1, 1], [40, 60])])])
+                     folder("four", 4, [("h2o", "0.2", [1, 1], [40, 60]), ("h2o", "0.3", [1, 1], [100, 100])])])
     assert [(r["kv_bits"], r["budget"], r["kv_memory"], r["score"], r["best"]) for r in rows] == [
-        ("-", "0.05", 0.05, 0.0, False), (4, "0.2", 0.05, 1.0, True), ("-", "0.2", 0.2, 0.5, False)]
+        ("-", "0.05", 0.05, 0.0, False), (4, "0.2", 0.05, 1.0, True), (4, "0.3", 0.1, 1.0, False),
+        ("-", "0.2", 0.2, 0.5, False)]  # as high a score with more memory is not on the frontier
     assert "| passkey | prompt | 5.0% | h2o | 4 | 0.2 | 2 | 1.000 | yes |" in markdown(rows)
 
 

@@ -4,8 +4,8 @@ equal memory.
 
 A run's memory is its cache's K/V bytes at the end (packed levels, steps, zero points and the
 residual when quantized) over what the stock cache holds in the model's dtype, averaged over its
-samples. The points that no other point of the same task beats at less or equal memory form the
-frontier (``best``).
+samples. The points that no other point of the same task matches with less memory, or beats with
+as little, form the frontier (``best``): the least memory each score takes.
 """
 
 from __future__ import annotations
@@ -41,9 +41,11 @@ def frontier(paths: list[Path]) -> list[dict]:
     rows.sort(key=lambda row: (row["task"], row["protocol"], row["kv_memory"]))
     for row in rows:
         sign = 1 if higher[(row["task"], row["protocol"])] else -1
-        row["best"] = not any(other is not row and other["task"] == row["task"]
-                              and other["protocol"] == row["protocol"] and other["kv_memory"] <= row["kv_memory"]
-                              and sign * other["score"] > sign * row["score"] for other in rows)
+        row["best"] = not any(
+            other["task"] == row["task"] and other["protocol"] == row["protocol"]
+            and other["kv_memory"] <= row["kv_memory"] and sign * other["score"] >= sign * row["score"]
+            and (other["kv_memory"] < row["kv_memory"] or sign * other["score"] > sign * row["score"])
+            for other in rows)
     return rows
 
 
