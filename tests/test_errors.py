@@ -157,6 +157,12 @@ def test_a_model_folder_whose_weights_are_cut_or_fit_another_config(monkeypatch,
 
 @pytest.mark.parametrize("args, message", [
     (["generate", "--prompt", "hi", "--budget", "abc"], "budget 'abc' is neither a ratio"),
+    (["generate", "--prompt", "hi", "--kv-bits", "3"], "kv_bits='3': keys and values are stored at 8, 4 or 2 bits"),
+    (["generate", "--load-context", "c.safetensors", "--question", "q", "--kv-bits", "4"],
+     "--kv-bits goes with compressing"),
+    (["eval", "--task", "passkey", "--kv-bits", "1"], "kv_bits='1'"),
+    (["serve", "--kv-bits", "16x"], "kv_bits='16x'"),
+    (["bench", "decode", "--kv-bits", "4,4"], "4 given twice in kv-bits values"),
     (["eval", "--task", "passkey", "--task-option", "nope=1"], "task 'passkey' takes no option nope"),
     (["eval", "--task", "niah", "--budgets", "0.1,x"], "budget 'x' is neither a ratio"),
     (["bench", "decode", "--budget", "2"], "budget ratio must be in (0, 1]"),

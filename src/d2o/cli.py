@@ -69,6 +69,9 @@ def generate(
     answer several questions from it (--context-file, --question)."""
     from d2o.data import read_text_file
 
+    bits = check_kv_bits(kv_bits)
+    if bits is not None and load_context is not None:
+        raise D2OError("--kv-bits goes with compressing: a saved context keeps the bits it was saved with")
     context_mode = context_file is not None or load_context is not None
     if context_mode:
         text = check_context_input(prompt, prompt_file, context_file, question, questions_file, save_context,
@@ -82,9 +85,6 @@ def generate(
         text = prompt if prompt is not None else read_text_file(prompt_file)
     parsed_budget, options = parse_budgets([budget or "0.2"], min_tokens)[0], parse_options(option)
     at_least_one(max_new_tokens=max_new_tokens, evict_every=evict_every)
-    bits = check_kv_bits(kv_bits)
-    if bits is not None and load_context is not None:
-        raise D2OError("--kv-bits goes with compressing: a saved context keeps the bits it was saved with")
     given = [name for name, value in (("--temperature", temperature), ("--top-p", top_p), ("--top-k", top_k),
                                       ("--seed", seed)) if value is not None]
     if given and not sample:  # decoding would be greedy: the options would be silently ignored
