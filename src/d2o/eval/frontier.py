@@ -67,15 +67,19 @@ def plot(rows: list[dict], path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     panels = list(dict.fromkeys((row["task"], row["protocol"]) for row in rows))
+    colors = {method: f"C{i % 10}" for i, method in enumerate(dict.fromkeys(row["method"] for row in rows))}
+    markers = {"-": "o", 8: "s", 4: "^", 2: "v"}  # the bits, by the marker; the method, by the colour
     figure, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
     for axis, (task, protocol) in zip(axes[0], panels):
         mine = [row for row in rows if (row["task"], row["protocol"]) == (task, protocol)]
         for method, bits in dict.fromkeys((row["method"], row["kv_bits"]) for row in mine):
             points = sorted((row["kv_memory"], row["score"]) for row in mine
                             if (row["method"], row["kv_bits"]) == (method, bits))
-            axis.plot([100 * x for x, _ in points], [y for _, y in points], marker="o" if bits == "-" else "s",
-                      linestyle="-" if bits == "-" else "--", label=f"{method}, {bits if bits != '-' else 'float'}")
-        axis.set_xlabel("KV memory, % of the full cache's bytes")
+            axis.plot([100 * x for x, _ in points], [y for _, y in points], color=colors[method],
+                      marker=markers.get(bits, "x"), linestyle="-" if bits == "-" else ":",
+                      label=f"{method}, {'float' if bits == '-' else f'{bits} bits'}")
+        axis.set_xscale("log")
+        axis.set_xlabel("KV memory, % of the full cache's bytes (log)")
         axis.set_ylabel("score")
         axis.set_title(f"{task}, {protocol}")
         axis.grid(alpha=0.3)
