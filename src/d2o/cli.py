@@ -466,7 +466,7 @@ def bench_decode(
                             split_list(lengths, int))
     batches, every = split_list(batch, int), distinct(tuple(split_list(evict_every, int)), "evict-every values")
     at_least_one(lengths=sizes, batch=batches, steps=steps, repeats=repeats, evict_every=every)
-    widths = distinct(tuple(check_kv_bits(bits) for bits in split_list(kv_bits)), "kv-bits values")
+    widths = kv_bits_list(kv_bits)
     check_device(device)
     check_shape(model, shape, positions)
     check_out(out)
@@ -504,7 +504,7 @@ def bench_fit(
     cap, names, parsed = (parse_bytes(kv_memory), distinct(split_list(methods), "methods"),
                           parse_budgets([budget], min_tokens)[0])
     at_least_one(prompt=prompt, max_batch=max_batch, evict_every=evict_every)
-    widths = distinct(tuple(check_kv_bits(bits) for bits in split_list(kv_bits)), "kv-bits values")
+    widths = kv_bits_list(kv_bits)
     check_fit_generate(generate)
     check_device(device)
     check_shape(model, shape, positions)
@@ -650,6 +650,11 @@ def bench_serve(
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(rows, indent=1) + "\n")
+
+
+def kv_bits_list(text: str) -> tuple[int | None, ...]:
+    """A bench's comma-separated ``--kv-bits`` (none: the model's dtype), each given once."""
+    return distinct(tuple(check_kv_bits(bits) for bits in split_list(text)), "kv-bits values")
 
 
 def memory_or_none(text: str) -> int:

@@ -109,8 +109,7 @@ class CompressedCache(Cache):
         if not whole(evict_every) or evict_every < 1:
             raise D2OError(f"evict_every={evict_every!r} must be a whole number of steps >= 1")
         self.evict_every = evict_every
-        self.quantization = kv_bits if kv_bits is None or isinstance(kv_bits, KVQuantization) else \
-            KVQuantization(bits=kv_bits)
+        self.quantization = KVQuantization.of(kv_bits)
         self.config = config
         self.policy = policy
         self.budget = policy.budget_for(Budget.parse(budget))

@@ -58,6 +58,11 @@ class KVQuantization:
         if not whole(self.residual) or self.residual < 0:
             raise D2OError(f"kv_residual={self.residual!r} must be a whole number of tokens >= 0")
 
+    @classmethod
+    def of(cls, kv_bits: int | KVQuantization | None) -> KVQuantization | None:
+        """``kv_bits`` as given to a cache: None (the model's dtype), a bit width, or a ``KVQuantization``."""
+        return kv_bits if kv_bits is None or isinstance(kv_bits, KVQuantization) else cls(bits=kv_bits)
+
     @property
     def levels(self) -> int:
         return (1 << self.bits) - 1

@@ -19,12 +19,17 @@ from __future__ import annotations
 import torch
 
 from d2o.engine.quantization import KVQuantization
-from d2o.engine.selection import row_offsets
 from d2o.engine.storage import CompressedLayer, _flat
 from d2o.errors import D2OError
 
 KEY, VALUE = 0, 1  # where keys and values sit in the stored and open tensors (B, G, N, 2, ...)
 VECTORS = ("keys", "values")
+
+
+def _vectors(which: int) -> property:
+    """``keys`` or ``values`` as methods see them: the open copy's, handed out (see ``_expose``);
+    only None can be set (a reset)."""
+    return property(lambda layer: layer._expose(which), lambda layer, value: layer._reset(value))
 
 
 class QuantizedLayer(CompressedLayer):
@@ -45,21 +50,8 @@ class QuantizedLayer(CompressedLayer):
         super()._clear()
 
     # -- the keys and values, as methods see them ---------------------------------------------
-    @property
-    def keys(self) -> torch.Tensor | None:
-        return self._expose(KEY)
-
-    @keys.setter
-    def keys(self, value) -> None:
-        self._reset(value)
-
-    @property
-    def values(self) -> torch.Tensor | None:
-        return self._expose(VALUE)
-
-    @values.setter
-    def values(self, value) -> None:
-        self._reset(value)
+    keys = _vectors(KEY)
+    values = _vectors(VALUE)
 
     def _reset(self, value) -> None:
         if value is not None:
@@ -103,20 +95,21 @@ class QuantizedLayer(CompressedLayer):
             self._encode_newest()
             rows = (opened != self._before).flatten(3).any(-1).flatten().nonzero()[:, 0]  # slots of the flat views
             if rows.numel():
-                vectors = opened.reshape(-1, *opened.shape[3:]).index_select(0, rows)
-                packed = self._packed if self.owns_storage else {part: t.clone() for part, t in self._packed.items()}
-                with torch.inference_mode(packed["data"].is_inference()):
-                    for part, tensor in self.quantization.encode(vectors).items():
-                        _flat(packed[part]).index_copy_(0, rows, tensor.reshape(rows.shape[0], -1))
-                self._packed = packed
+                if not self.owns_storage:  # shared with a copy of this cache: written into a copy of its own
+                    self._packed = {part: tensor.clone() for part, tensor in self._packed.items()}
+                self._write_bytes(rows, opened.reshape(-1, *opened.shape[3:]).index_select(0, rows))
             if self.ring is not None:
                 slots, held = self.ring
                 self.ring = (slots, opened.gather(2, slots.clamp_min(0)[..., None, None].expand(held.shape)))
         self._open = self._before = None
 
-    def _stored(self) -> dict[str, torch.Tensor]:
+    def _write_out(self) -> None:
+        """Every stored byte up to date: the open copy settled, the residual's new entries encoded."""
         self.settle()
         self._encode_newest()
+
+    def _stored(self) -> dict[str, torch.Tensor]:
+        self._write_out()
         return dict(self._packed)
 
     def _store(self, stored: dict[str, torch.Tensor]) -> None:
@@ -141,9 +134,7 @@ class QuantizedLayer(CompressedLayer):
         values.scatter_(2, value_slots, value_states)
         vectors = torch.stack([key_states, value_states], dim=3)
         if not self.quantization.residual:  # nowhere else to read it from: its bytes now
-            rows = self.rows_of(slots)
-            for part, tensor in self.quantization.encode(vectors).items():
-                _flat(self._packed[part]).index_copy_(0, rows, tensor.view(rows.shape[0], -1))
+            self._write_bytes(self.rows_of(slots), vectors.flatten(0, 2))
             return
         self._hold_newest(slots, vectors)
         self._unencoded += 1
@@ -158,15 +149,18 @@ class QuantizedLayer(CompressedLayer):
             return
         slots, held = self.ring
         slots, held = slots[:, :, -count:], held[:, :, -count:]
-        rows = (slots + row_offsets(*slots.shape[:2], self._packed["data"].shape[2], slots.device)).flatten()
+        rows, vectors = self.rows_of(slots), held.flatten(0, 2)
         still = (slots >= 0).flatten()
         if not bool(still.all()):
-            rows = rows[still]
-        # In the mode the tensors were made in (a report after generate asks for the bytes outside it).
+            rows, vectors = rows[still], vectors[still]
+        self._write_bytes(rows, vectors)
+
+    def _write_bytes(self, rows: torch.Tensor, vectors: torch.Tensor) -> None:
+        """Encode ``vectors`` (K, 2, D) into the stored rows ``rows`` (K,) of the flat views, in place,
+        in the mode the stored tensors were made in (a report after generate asks for bytes outside it)."""
         with torch.inference_mode(self._packed["data"].is_inference()):
-            for part, tensor in self.quantization.encode(held).items():
-                flat = tensor.reshape(still.shape[0], -1)
-                _flat(self._packed[part]).index_copy_(0, rows, flat if rows.shape[0] == still.shape[0] else flat[still])
+            for part, tensor in self.quantization.encode(vectors).items():
+                _flat(self._packed[part]).index_copy_(0, rows, tensor.reshape(rows.shape[0], -1))
 
     def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self._encode_newest()  # the tokens appended push older ones out of the residual
@@ -207,7 +201,7 @@ class QuantizedLayer(CompressedLayer):
 
     # -- slot operations: the residual's slots follow -------------------------------------------
     def keep(self, keep: torch.Tensor, keep_valid: torch.Tensor, slack: int = 0) -> None:
-        self._stored()  # written out before the residual's slots move
+        self._write_out()  # before the residual's slots move
         if self.ring is not None:
             position = torch.arange(keep.shape[2], device=keep.device).expand_as(keep)
             position = torch.where(keep_valid[:, None, :], position, -1)
@@ -245,8 +239,8 @@ class QuantizedLayer(CompressedLayer):
         return super().snapshot(), self.ring
 
     def copy_for(self, cache) -> CompressedLayer:
-        if self.is_initialized:  # written out: the copy shares the stored tensors, which neither then writes
-            self._stored()
+        if self.is_initialized:  # the copy shares the stored tensors, which neither then writes in place
+            self._write_out()
         return super().copy_for(cache)
 
     def restore(self, snapshot: tuple) -> None:

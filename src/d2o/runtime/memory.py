@@ -44,10 +44,6 @@ class KVPlan:
         return max(self.prefill_bytes, self.held_bytes)
 
 
-def _quantization(kv_bits) -> KVQuantization | None:
-    return kv_bits if kv_bits is None or isinstance(kv_bits, KVQuantization) else KVQuantization(bits=kv_bits)
-
-
 def _heads_and_dim(config, method: Method) -> tuple[int, int]:
     config = config.get_text_config()
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -63,7 +59,7 @@ def slot_bytes(config, dtype_bytes: int, method: Method, stock: bool = False, kv
     quantized (``CompressedCache``'s), their packed levels, steps and zero points."""
     config = config.get_text_config()
     heads, head_dim = _heads_and_dim(config, method)
-    quantization = _quantization(kv_bits)
+    quantization = KVQuantization.of(kv_bits)
     kv = 2 * (head_dim * dtype_bytes if quantization is None else quantization.token_bytes(head_dim))
     if stock:
         return [heads * kv for _ in sliding_windows(config)]
@@ -75,7 +71,7 @@ def slot_bytes(config, dtype_bytes: int, method: Method, stock: bool = False, kv
 def row_bytes(config, dtype_bytes: int, method: Method, kv_bits=None) -> int:
     """Bytes a row holds in every layer beside its slots: with ``kv_bits``, its newest tokens in full
     precision (K, V and their slots; ``KVQuantization.residual``)."""
-    quantization = _quantization(kv_bits)
+    quantization = KVQuantization.of(kv_bits)
     if quantization is None:
         return 0
     heads, head_dim = _heads_and_dim(config, method)
