@@ -13,7 +13,7 @@ from transformers import DynamicCache
 from d2o.bench import WARM_UP_TOKENS
 from d2o.bench.memory import measure_peak
 from d2o.bench.models import prompt_ids, stock_attention
-from d2o.engine.cache import CompressedCache
+from d2o.engine.cache import CompressedCache, head_dim
 from d2o.engine.stats import StatsRequest, attention_stats
 from d2o.methods import get_method
 from d2o.runtime.prompts import check_length
@@ -48,7 +48,7 @@ def stats_peak_bytes(model, n_tokens: int) -> int:
     """Peak extra memory of one layer's statistics (column mass) at ``n_tokens``, in bytes."""
     config = model.config.get_text_config()
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    dim = head_dim(config)
     dtype = next(model.parameters()).dtype
     query = torch.randn(1, heads, n_tokens, dim, dtype=dtype, device=model.device)
     key = torch.randn(1, kv_heads, n_tokens, dim, dtype=dtype, device=model.device)

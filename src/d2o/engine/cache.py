@@ -57,6 +57,11 @@ def sliding_windows(config) -> list[int | None]:
     return [window if kind == "sliding_attention" and window else None for kind in kinds]
 
 
+def head_dim(config) -> int:
+    """Channels per attention head of a (text) config: its ``head_dim``, or the hidden size shared."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def compressible_layers(windows: list[int | None], budget: Budget) -> list[int]:
     """The layers a budget shares: those attending to every token (a sliding-window layer keeps its
     window, as the stock cache does). A model whose every layer slides has none to compress."""
@@ -119,8 +124,7 @@ class CompressedCache(Cache):
         windows = sliding_windows(config)
         self.compressible = compressible_layers(windows, self.budget)
         if self.quantization is not None:
-            head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-            self.quantization.check(head_dim)
+            self.quantization.check(head_dim(config))
             layers = [QuantizedLayer(self, i, window, self.quantization) for i, window in enumerate(windows)]
         else:
             layers = [CompressedLayer(self, i, window) for i, window in enumerate(windows)]

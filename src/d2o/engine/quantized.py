@@ -121,7 +121,6 @@ class QuantizedLayer(CompressedLayer):
         if keys.shape[-1] != values.shape[-1]:
             raise D2OError(f"kv_bits stores a key and a value side by side: this model's keys have {keys.shape[-1]} "
                            f"channels and its values {values.shape[-1]}")
-        self.quantization.check(keys.shape[-1])
         vectors = torch.stack([keys, values], dim=3)
         self._store(self.quantization.encode(vectors))
         self.ring = None

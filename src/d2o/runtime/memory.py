@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from d2o.budget import UNLIMITED, Budget
-from d2o.engine.cache import compressible_layers, sliding_windows
+from d2o.engine.cache import compressible_layers, head_dim, sliding_windows
 from d2o.engine.quantization import KVQuantization
 from d2o.engine.storage import TOKEN_INDEX_DTYPE
 from d2o.methods.base import Method
@@ -46,8 +46,7 @@ class KVPlan:
 
 def _heads_and_dim(config, method: Method) -> tuple[int, int]:
     config = config.get_text_config()
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return (config.num_attention_heads if method.repeats_kv_heads else config.num_key_value_heads), head_dim
+    return (config.num_attention_heads if method.repeats_kv_heads else config.num_key_value_heads), head_dim(config)
 
 
 def slot_bytes(config, dtype_bytes: int, method: Method, stock: bool = False, kv_bits=None) -> list[int]:
@@ -58,9 +57,9 @@ def slot_bytes(config, dtype_bytes: int, method: Method, stock: bool = False, kv
     for H2O, D2O and d2o-plus, 27% for RoCo (its window's attention rows). ``kv_bits``: K and V
     quantized (``CompressedCache``'s), their packed levels, steps and zero points."""
     config = config.get_text_config()
-    heads, head_dim = _heads_and_dim(config, method)
+    heads, dim = _heads_and_dim(config, method)
     quantization = KVQuantization.of(kv_bits)
-    kv = 2 * (head_dim * dtype_bytes if quantization is None else quantization.token_bytes(head_dim))
+    kv = 2 * (dim * dtype_bytes if quantization is None else quantization.token_bytes(dim))
     if stock:
         return [heads * kv for _ in sliding_windows(config)]
     indexed = kv + TOKEN_INDEX_DTYPE.itemsize
@@ -74,9 +73,9 @@ def row_bytes(config, dtype_bytes: int, method: Method, kv_bits=None) -> int:
     quantization = KVQuantization.of(kv_bits)
     if quantization is None:
         return 0
-    heads, head_dim = _heads_and_dim(config, method)
+    heads, dim = _heads_and_dim(config, method)
     layers = config.get_text_config().num_hidden_layers
-    return layers * heads * quantization.residual * (2 * head_dim * dtype_bytes + TOKEN_INDEX_DTYPE.itemsize)
+    return layers * heads * quantization.residual * (2 * dim * dtype_bytes + TOKEN_INDEX_DTYPE.itemsize)
 
 
 def plan(config, method: Method, budget: Budget, prompt_tokens: int, new_tokens: int, dtype_bytes: int = 4,
@@ -107,8 +106,8 @@ def plan(config, method: Method, budget: Budget, prompt_tokens: int, new_tokens:
     prefill = (prompt_tokens + method.probe_tokens(prompt_tokens)) * sum(per_slot)
     extra = row_bytes(config, dtype_bytes, method, kv_bits)
     if extra:  # the layer attending holds its tokens in full precision too, while it attends
-        heads, head_dim = _heads_and_dim(config, method)
-        prefill += (prompt_tokens + method.probe_tokens(prompt_tokens)) * heads * 2 * head_dim * dtype_bytes
+        heads, dim = _heads_and_dim(config, method)
+        prefill += (prompt_tokens + method.probe_tokens(prompt_tokens)) * heads * 2 * dim * dtype_bytes
     return KVPlan(prefill_bytes=prefill + extra, held_bytes=held * global_slot + sliding + extra)
 
 
