@@ -235,3 +235,16 @@ def final_number(text: str) -> str | None:
         return None
     number = float(value)
     return str(int(number)) if number.is_integer() else str(number)
+
+
+def string_match_all(prediction: str, references: list[str]) -> float:
+    """RULER's ``string_match_all`` for one sample: the share of the references the prediction
+    contains, case-insensitively (RULER prints the mean x100)."""
+    said = prediction.lower()
+    return sum(reference.lower() in said for reference in references) / len(references)
+
+
+def string_match_part(prediction: str, references: list[str]) -> float:
+    """RULER's ``string_match_part`` for one sample: 1 if the prediction contains any reference."""
+    said = prediction.lower()
+    return float(any(reference.lower() in said for reference in references))

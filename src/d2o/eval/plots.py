@@ -26,6 +26,7 @@ def write_plots(out: Path, lines: list[dict], rows: list[dict], task) -> list[Pa
 
 def score_vs_budget(out: Path, rows: list[dict], task) -> Path | None:
     labels = sorted({r["task"] for r in rows})
+    labels = [label for label in labels if "(" in label] or labels  # a task of sub-tasks: its averages
     if not rows:
         return None
     figure, axes = plt.subplots(1, len(labels), figsize=(5.5 * len(labels), 4), squeeze=False)

@@ -14,6 +14,9 @@ from d2o.budget import Budget
 from d2o.errors import D2OError
 
 FULL_BUDGET = str(Budget(ratio=1.0))  # the label of the full cache's runs
+# A sub-task the full cache scores below this says nothing about compression (a small model fails
+# some of RULER's tasks outright); averages are also given without such sub-tasks.
+ABLE = 0.3
 
 
 class SampleStore:
@@ -76,7 +79,8 @@ def of_this_run(lines: list[dict], task, sample_ids: set[str], runs) -> list[dic
 
 
 def summarize(lines: list[dict], config) -> list[dict]:
-    """Mean main score per (task label, method, budget) of ``lines`` (``of_this_run``'s)."""
+    """Mean main score per (task label, method, budget) of ``lines`` (``of_this_run``'s), and for a
+    task of sub-tasks the averages over them (``averages``)."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for line in lines:
         groups[(task_label(line), line["method"], line["budget"])].append(line)
@@ -86,7 +90,39 @@ def summarize(lines: list[dict], config) -> list[dict]:
          "n": len(group), "kv_share": round(fmean(run["kv_tokens_kept"] / run["kv_tokens_full"] for run in group), 3)}
         for (label, method, budget), group in groups.items()
     ]
+    rows += averages(rows)
     return sorted(rows, key=lambda r: (r["task"], order[r["method"]], budget_order(r["budget"])))
+
+
+def averages(rows: list[dict]) -> list[dict]:
+    """For a task of sub-tasks (RULER's, LongBench's datasets), each run's mean over its sub-tasks
+    (``TASK (average)``, as RULER and kvpress's leaderboard report it) and, where the full cache
+    scores some below ``ABLE``, its mean over the others (``TASK (average, full >= 0.3)``). A run
+    missing a sub-task has none."""
+    by_task: dict[str, list[dict]] = defaultdict(list)
+    for row in rows:
+        if "/" in row["task"]:
+            by_task[row["task"].split("/")[0]].append(row)
+    averaged = []
+    for task, group in by_task.items():
+        labels = sorted({row["task"] for row in group})
+        full = {row["task"]: row["score"] for row in group if row["method"] == "full"}
+        able = [label for label in labels if full.get(label, 0.0) >= ABLE]
+        runs: dict[tuple[str, str], dict[str, dict]] = defaultdict(dict)
+        for row in group:
+            runs[(row["method"], row["budget"])][row["task"]] = row
+        for (method, budget), cells in runs.items():
+            for name, wanted in (("average", labels), (f"average, full >= {ABLE:g}", able)):
+                if not wanted or (name != "average" and (not full or wanted == labels)):
+                    continue
+                if any(label not in cells for label in wanted):
+                    continue
+                chosen = [cells[label] for label in wanted]
+                averaged.append({"task": f"{task} ({name})", "method": method, "budget": budget,
+                                 "score": round(fmean(row["score"] for row in chosen), 4),
+                                 "n": sum(row["n"] for row in chosen),
+                                 "kv_share": round(fmean(row["kv_share"] for row in chosen), 3)})
+    return averaged
 
 
 def budget_order(budget: str):
@@ -111,12 +147,18 @@ def write_summaries(out: Path, rows: list[dict], task, config) -> None:
 
 def markdown_table(rows: list[dict], task, config) -> str:
     """Per task label: the scores, then the share of the full cache's KV tokens each run held at
-    its end; methods as rows, budgets as columns (the full cache in every column)."""
+    its end; methods as rows, budgets as columns (the full cache in every column). A task of
+    sub-tasks has one table instead: a row per run, a column per sub-task and its averages."""
     budgets = sorted({r["budget"] for r in rows if r["method"] != "full"}, key=budget_order) or [FULL_BUDGET]
     direction = "higher is better" if task.higher_is_better else "lower is better"
     parts = [f"Model `{config.model}`, seed {config.seed}; score: {task.metrics[0]} ({direction}), "
              f"mean over n samples.\n"]
-    for label in sorted({r["task"] for r in rows}):
+    labels = sorted({r["task"] for r in rows})
+    if any("/" in label for label in labels):
+        parts.append(_subtask_table(rows, labels, config))
+    for label in labels:
+        if "/" in label or "(" in label:
+            continue
         table = {(r["method"], r["budget"]): r for r in rows if r["task"] == label}
         methods = [m for m in config.methods if any(key[0] == m for key in table)]
         for title, field, digits in ((label, "score", 3), (f"{label}: KV tokens held at the end / full cache",
@@ -134,3 +176,30 @@ def markdown_table(rows: list[dict], task, config) -> str:
                 parts.append(f"| {method} | " + " | ".join(cells) + f" | {'/'.join(map(str, sorted(counts)))} |")
             parts.append("")
     return "\n".join(parts) + "\n"
+
+
+def _subtask_table(rows: list[dict], labels: list[str], config) -> str:
+    """One row per (method, budget), one column per sub-task, then the averages; a sub-task the
+    full cache scores below ``ABLE`` is marked."""
+    subtasks = [label for label in labels if "/" in label]
+    summaries = [label for label in labels if "(" in label]
+    full = {r["task"]: r["score"] for r in rows if r["method"] == "full"}
+    weak = [label for label in subtasks if label in full and full[label] < ABLE]
+    cells = {(r["task"], r["method"], r["budget"]): r for r in rows}
+    runs = sorted({(r["method"], r["budget"]) for r in rows},
+                  key=lambda run: (config.methods.index(run[0]), budget_order(run[1])))
+    names = [label.split("/", 1)[1] + (" *" if label in weak else "") for label in subtasks]
+    names += [label[label.index("(") + 1:-1] for label in summaries]
+    lines = ["### " + subtasks[0].split("/")[0] + ": score per task\n",
+             "| method | budget | " + " | ".join(names) + " | KV held / full | n per task |",
+             "|---|---|" + "---|" * (len(names) + 2)]
+    for method, budget in runs:
+        row = [cells.get((label, method, budget)) for label in subtasks + summaries]
+        held = [r["kv_share"] for r in row[:len(subtasks)] if r]
+        counts = sorted({r["n"] for r in row[:len(subtasks)] if r})
+        lines.append(f"| {method} | {budget} | " + " | ".join(f"{r['score']:.3f}" if r else "" for r in row)
+                     + f" | {fmean(held):.2f} | {'/'.join(map(str, counts))} |")
+    if weak:
+        lines.append(f"\n\\* the full cache scores below {ABLE:g}: says nothing about compression "
+                     f"(left out of \"average, full >= {ABLE:g}\").")
+    return "\n".join(lines) + "\n"
