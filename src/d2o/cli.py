@@ -319,6 +319,22 @@ def evaluate(
     print(f"[{len(rows)} rows; files in {out}]", file=sys.stderr)
 
 
+@app.command("lm-eval", context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
+                                         "help_option_names": []})
+def lm_eval(context: typer.Context):
+    """lm-evaluation-harness's command line with the model `d2o` registered: `d2o lm-eval --model d2o
+    --model_args pretrained=smollm2,method=d2o-plus,budget=0.2 --tasks TASKS` (every argument is lm-eval's)."""
+    try:
+        import lm_eval.__main__
+    except ImportError:
+        raise D2OError("d2o lm-eval needs lm-evaluation-harness: pip install 'd2o[lmeval]'") from None
+    import d2o.eval.harness  # noqa: F401  (registers the model)
+
+    quiet()
+    sys.argv = ["lm-eval", *context.args]
+    lm_eval.__main__.cli_evaluate()
+
+
 @app.command()
 def compare(
     results: list[Path] = typer.Argument(..., help="Folders d2o eval wrote (--out); those of one task, protocol "

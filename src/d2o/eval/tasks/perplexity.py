@@ -68,22 +68,28 @@ class Perplexity(Task):
 
     def evaluate(self, model, ids: list[int], cache) -> tuple[float, list[float]]:
         """Perplexity of every token after the first through ``cache``, and per ``window``."""
-        import torch
-
-        device = next(model.parameters()).device
-        tokens = torch.tensor([ids])
-        losses, previous = [], None
-        with torch.inference_mode():
-            for start in range(0, tokens.shape[1], self.chunk):
-                chunk = tokens[:, start : start + self.chunk].to(device)
-                logits = model(input_ids=chunk, cache=cache).logits[0].float()
-                predictors = logits[:-1] if previous is None else torch.cat([previous[None], logits[:-1]])
-                targets = chunk[0] if previous is not None else chunk[0, 1:]
-                losses.append(torch.nn.functional.cross_entropy(predictors, targets, reduction="none"))
-                previous = logits[-1]
-        nll = torch.cat(losses).double()
+        nll = token_nll(model, ids, cache, self.chunk).double()
         curve = [math.exp(part.mean().item()) for part in nll.split(self.window)]
         return math.exp(nll.mean().item()), curve
 
     def score(self, prediction, sample):
         raise D2OError("perplexity scores the text itself, not an answer")
+
+
+def token_nll(model, ids: list[int], cache, chunk: int):
+    """The negative log-likelihood of every token of ``ids`` after the first, fed ``chunk`` tokens
+    at a time through ``cache``: each chunk attends to what the cache kept of everything before."""
+    import torch
+
+    device = next(model.parameters()).device
+    tokens = torch.tensor([ids])
+    losses, previous = [], None
+    with torch.inference_mode():
+        for start in range(0, tokens.shape[1], chunk):
+            part = tokens[:, start : start + chunk].to(device)
+            logits = model(input_ids=part, cache=cache).logits[0].float()
+            predictors = logits[:-1] if previous is None else torch.cat([previous[None], logits[:-1]])
+            targets = part[0] if previous is not None else part[0, 1:]
+            losses.append(torch.nn.functional.cross_entropy(predictors, targets, reduction="none"))
+            previous = logits[-1]
+    return torch.cat(losses)
