@@ -149,3 +149,25 @@ def test_the_perplexity_curve_is_drawn_at_the_end_of_each_window():
     assert window_ends(3, 400, 1000) == [401, 801, 1000]
     assert window_ends(2, 64, 129) == [65, 129]
 
+
+
+@pytest.mark.real_model
+def test_a_sweep_on_two_ray_workers_writes_the_rows_of_one_process_and_resumes(real_model, tmp_path):
+    pytest.importorskip("ray", reason="the ray extra is not installed (pip install 'd2o[ray]')")
+    settings = dict(methods=("full", "h2o"), **{**PASSKEY, "limit": 3})
+    run_eval(EvalConfig(out=str(tmp_path / "one"), **settings), progress=False)
+    spread = tmp_path / "ray"
+    run_eval(EvalConfig(out=str(spread), ray="local", workers=2, **settings), progress=False)
+
+    def rows(folder):
+        return {key(line): (line["prediction"], line["score"], line["kv_tokens_kept"], line["kv_bytes"],
+                            line["layer_budgets"]) for line in lines(folder)}
+
+    assert rows(spread) == rows(tmp_path / "one") and len(rows(spread)) == 3 * 2
+    # Cut off after two samples (one sample's rows lost): the rerun computes only that sample's rows.
+    kept = [line for line in lines(spread) if line["sample_id"] != lines(spread)[-1]["sample_id"]]
+    (spread / "samples.jsonl").write_text("".join(json.dumps(line) + "\n" for line in kept))
+    before = (spread / "samples.jsonl").read_text()
+    run_eval(EvalConfig(out=str(spread), ray="local", workers=2, **settings), progress=False)
+    assert (spread / "samples.jsonl").read_text().startswith(before)
+    assert len(lines(spread)) == 6 and rows(spread) == rows(tmp_path / "one")

@@ -8,7 +8,7 @@ import d2o
 SOURCE = Path(d2o.__file__).parent
 # Each module may import its own layer and the layers below it, never above.
 LAYERS = [
-    ("d2o.errors", "d2o.budget", "d2o.options", "d2o.paths", "d2o.data"),
+    ("d2o.errors", "d2o.budget", "d2o.options", "d2o.paths", "d2o.data", "d2o.cluster"),
     ("d2o.engine",),
     ("d2o.methods",),
     ("d2o.runtime", "d2o.models"),

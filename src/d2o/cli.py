@@ -295,6 +295,9 @@ def evaluate(
     evict_every: int = typer.Option(1, help="Evict in batches: a layer runs up to k-1 tokens over its budget "
                                     "(the methods evict at every step, as their papers, unless told)."),
     kv_bits: Optional[str] = typer.Option(None, help=KV_BITS_HELP),
+    ray: Optional[str] = typer.Option(None, help="Spread the samples over Ray workers: local (a private Ray "
+                                      "on this machine), auto (the cluster this machine is in) or an address."),
+    workers: int = typer.Option(2, help="Ray workers, one model each (one GPU each on a cluster with enough)."),
 ):
     """Evaluate methods x budgets on a task; writes samples.jsonl, summary.csv/.md and plots to OUT."""
     from d2o.eval.sweep import EvalConfig, check_config, run_eval
@@ -309,7 +312,7 @@ def evaluate(
     config = EvalConfig(
         task=task, model=model, methods=split_list(methods), budgets=split_list(budgets), limit=limit, seed=seed,
         out=str(out), shared_prefill=not separate_prefill, dtype=dtype, attention=attention, min_tokens=min_tokens,
-        protocol=protocol, evict_every=evict_every, kv_bits=check_kv_bits(kv_bits),
+        protocol=protocol, evict_every=evict_every, kv_bits=check_kv_bits(kv_bits), ray=ray, workers=workers,
         task_options=option_texts(task_option, "--task-option"), method_options=method_options,  # typed by the task
     )
     check_config(config)  # before torch loads

@@ -80,11 +80,7 @@ def load_model(
     torch_dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
     if not isinstance(torch_dtype, torch.dtype):
         raise D2OError(f"dtype {dtype!r} is not supported: choose one of {', '.join(DTYPES)}")
-    folder = embedded_model_folder(name_or_path) if name_or_path in EMBEDDED else model_folder(name_or_path)
-    check_family(_loaded(folder, "config.json", AutoConfig.from_pretrained))
-    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
-        raise D2OError(f"folder {str(folder)!r} has no tokenizer: none of {', '.join(TOKENIZER_FILES)}")
-    tokenizer = _loaded(folder, "tokenizer", AutoTokenizer.from_pretrained)
+    folder, tokenizer, _ = _folder_parts(name_or_path)
     # use_kernels=False: transformers >= 5.25 swaps layers for Hub kernels by default, fetched online;
     # d2o runs offline and its reference is the stock model's own PyTorch layers.
     model = _weights(folder, dtype=torch_dtype, attn_implementation="sdpa", device_map=device_map, use_kernels=False)
@@ -97,6 +93,22 @@ def load_model(
     model.eval()
     install(model, attention)
     return model, tokenizer
+
+
+def load_tokenizer(name_or_path: str = DEFAULT_MODEL):
+    """``(tokenizer, config)`` of a model, checked as ``load_model`` checks them, without its weights."""
+    _, tokenizer, config = _folder_parts(name_or_path)
+    return tokenizer, config
+
+
+def _folder_parts(name_or_path: str):
+    """The model's folder, tokenizer and config (a supported family)."""
+    folder = embedded_model_folder(name_or_path) if name_or_path in EMBEDDED else model_folder(name_or_path)
+    config = _loaded(folder, "config.json", AutoConfig.from_pretrained)
+    check_family(config)
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise D2OError(f"folder {str(folder)!r} has no tokenizer: none of {', '.join(TOKENIZER_FILES)}")
+    return folder, _loaded(folder, "tokenizer", AutoTokenizer.from_pretrained), config
 
 
 def model_folder(name_or_path: str) -> Path:

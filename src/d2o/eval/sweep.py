@@ -40,6 +40,8 @@ class EvalConfig:
     method_options: dict = field(default_factory=dict)  # {method: {option: value}}
     evict_every: int = 1  # evict in batches of decode steps (CompressedCache's)
     kv_bits: int | None = None  # keys and values stored at 8, 4 or 2 bits (None: the model's dtype)
+    ray: str | None = None  # spread the samples over Ray workers: "local", "auto" or a cluster's address
+    workers: int = 2  # Ray workers, one model each (one GPU each where the cluster has GPUs)
 
     def identity(self, task: Task) -> dict:
         """What must match for a rerun to resume into the same folder (methods, budgets and the
@@ -63,6 +65,8 @@ def check_config(config: EvalConfig) -> tuple[Task, list[Budget]]:
         raise D2OError(f"limit must be at least 1, got {config.limit}")
     if config.evict_every < 1:
         raise D2OError(f"evict_every must be at least 1, got {config.evict_every}")
+    if config.ray is not None and config.workers < 1:
+        raise D2OError(f"workers must be at least 1, got {config.workers}")
     check_kv_bits(config.kv_bits)
     for what, names in (("methods", config.methods), ("budgets", config.budgets)):
         if not names:
@@ -87,24 +91,20 @@ def run_eval(config: EvalConfig, progress: bool = True) -> list[dict]:
     from tqdm import tqdm
 
     from d2o.eval import plots, results
-    from d2o.eval.runner import Runner
-    from d2o.methods import get_method
-    from d2o.models import load_model
     from d2o.runtime.prompts import check_length
 
     task, budgets = check_config(config)
-    methods = {name: get_method(name, **config.method_options.get(name, {})) for name in config.methods}
-    late = [name for name, method in methods.items() if method.compress_after_forward > 1]
-    if config.protocol == "context" and late:  # its first compression would come after the question's pass
-        raise D2OError(f"{', '.join(late)} first compress(es) after the first decode step, which under --protocol "
-                       f"context is the question's pass: compression would see the question; run it under "
-                       f"--protocol prompt")
-    for method in methods.values():
-        for budget in budgets:
-            method.check_budget(budget)
+    methods = sweep_methods(config, budgets)
     out = Path(config.out)
     check_folder(out, config, task)  # another configuration's folder: refused before the model loads
-    model, tokenizer = load_model(config.model, dtype=config.dtype, attention=config.attention)
+    if config.ray:  # the workers load the model; here its tokenizer and positions are enough
+        from d2o.models import load_tokenizer
+
+        tokenizer, model = load_tokenizer(config.model)  # (its config: what check_length reads)
+    else:
+        from d2o.models import load_model
+
+        model, tokenizer = load_model(config.model, dtype=config.dtype, attention=config.attention)
     store = results.SampleStore(out / "samples.jsonl")
     samples = task.samples(tokenizer, config.limit, config.seed)
     encoded = {}
@@ -115,23 +115,58 @@ def run_eval(config: EvalConfig, progress: bool = True) -> list[dict]:
         except D2OError as error:
             raise D2OError(f"sample {sample.id}: {error}") from None
     record_config(out, config, task)  # only once every sample is known to run
-    runner = Runner(model, tokenizer, methods, config.shared_prefill, config.evict_every, config.kv_bits)
     runs = runs_of(methods, budgets)
     done = store.keys()
-    bar = tqdm(total=len(samples), desc=task.name, disable=not progress, unit="sample")
+    jobs = []  # (samples sharing a context, its token ids, each sample's question, each sample's runs to do)
     for group in shared_contexts(samples, encoded, config.protocol):
         todos = [[run for run in runs if (sample.id, run.method, str(run.budget)) not in done] for sample in group]
-        if any(todos):
-            ids = encoded[group[0].id][0]
-            for sample, outcome in task.run(runner, group, ids, [encoded[s.id][1] for s in group], todos):
+        jobs.append((group, encoded[group[0].id][0], [encoded[s.id][1] for s in group], todos))
+    bar = tqdm(total=len(samples), desc=task.name, disable=not progress, unit="sample")
+    bar.update(sum(len(group) for group, *_, todos in jobs if not any(todos)))
+    jobs = [job for job in jobs if any(job[3])]
+    if config.ray:
+        from d2o.eval.distributed import run_on_ray
+
+        for group, lines in run_on_ray(config, jobs, task_and_methods):
+            for line in lines:
+                store.append(line)
+            bar.update(len(group))
+    else:
+        from d2o.eval.runner import Runner
+
+        runner = Runner(model, tokenizer, methods, config.shared_prefill, config.evict_every, config.kv_bits)
+        for group, ids, questions, todos in jobs:
+            for sample, outcome in task.run(runner, group, ids, questions, todos):
                 store.append(results.result_line(task, sample, outcome))
-        bar.update(len(group))
+            bar.update(len(group))
     bar.close()
     lines = results.of_this_run(store.read(), task, {sample.id for sample in samples}, runs)
     rows = results.summarize(lines, config)
     results.write_summaries(out, rows, task, config)
     plots.write_plots(out, lines, rows, task)
     return rows
+
+
+def task_and_methods(config: EvalConfig) -> tuple[Task, dict]:
+    """The sweep's task and methods (what a Ray worker builds from the configuration)."""
+    task, budgets = check_config(config)
+    return task, sweep_methods(config, budgets)
+
+
+def sweep_methods(config: EvalConfig, budgets: list[Budget]) -> dict:
+    """The sweep's method objects by name, each checked against every budget and the protocol."""
+    from d2o.methods import get_method
+
+    methods = {name: get_method(name, **config.method_options.get(name, {})) for name in config.methods}
+    late = [name for name, method in methods.items() if method.compress_after_forward > 1]
+    if config.protocol == "context" and late:  # its first compression would come after the question's pass
+        raise D2OError(f"{', '.join(late)} first compress(es) after the first decode step, which under --protocol "
+                       f"context is the question's pass: compression would see the question; run it under "
+                       f"--protocol prompt")
+    for method in methods.values():
+        for budget in budgets:
+            method.check_budget(budget)
+    return methods
 
 
 def shared_contexts(samples: list, encoded: dict, protocol: str) -> list[list]:

@@ -59,8 +59,8 @@ def stop_token_ids(model, tokenizer) -> frozenset[int]:
 
 
 def positions(model) -> int | None:
-    """The positions the model has (None: its config does not say)."""
-    return getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    """The positions the model (or its config) has (None: its config does not say)."""
+    return getattr(getattr(model, "config", model).get_text_config(), "max_position_embeddings", None)
 
 
 def check_length(model, n_tokens: int, max_new_tokens: int = 0) -> None:

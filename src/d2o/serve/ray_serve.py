@@ -9,21 +9,16 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import signal
-import tempfile
 import threading
 from dataclasses import fields
 
 from ray import serve
 
+from d2o import cluster
 from d2o.errors import D2OError
 from d2o.options import parse_bytes
 from d2o.serve.config import ServeConfig
-
-# Quiet and private: no usage reporting, no auth token written into $HOME (recent Ray enables it).
-QUIET = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
-_temp: list[str] = []  # the temp folder of the local Ray this process started
 
 
 @serve.deployment(max_ongoing_requests=256, graceful_shutdown_timeout_s=2, graceful_shutdown_wait_loop_s=0.5)
@@ -74,24 +69,15 @@ def build_app(args: dict):
 def start(app, host: str, port: int, cpus: int | None = None) -> None:
     """A private local Ray (its own temp folder, no dashboard) running the Serve application
     ``app`` behind its proxy on ``host:port``; returns once every replica is up."""
-    import ray
-
-    os.environ.update(QUIET)
-    _temp.append(tempfile.mkdtemp(prefix="d2o-ray-"))  # short: Ray's socket paths live in it
-    ray.init(address="local", num_cpus=cpus or os.cpu_count() or 1, include_dashboard=False, log_to_driver=False,
-             logging_level="WARNING", object_store_memory=100 * 2**20, _temp_dir=_temp[-1])
+    cluster.connect("local", cpus)
     serve.start(http_options={"host": host, "port": port}, logging_config={"log_level": "WARNING"})
     serve.run(app, name="d2o", route_prefix="/")
 
 
 def stop() -> None:
     """Shut Serve and the local Ray down, and remove Ray's temp folder (its logs too)."""
-    import ray
-
     serve.shutdown()
-    ray.shutdown()
-    while _temp:
-        shutil.rmtree(_temp.pop(), ignore_errors=True)
+    cluster.disconnect()
 
 
 def run_replicas(config: ServeConfig, replicas: int, host: str, port: int) -> None:
