@@ -201,9 +201,11 @@ class Generator:
         """The template as RULER formats it: in the model's template, then the answer prefix."""
         return self.head + template + self.tail + prefix
 
-    def fit(self, make, incremental: int, estimate_at: int, upper_of, room: int) -> int:
+    def fit(self, make, incremental: int, estimate_at: int, room: int, upper_of=None) -> int:
         """RULER's search for the largest size whose prompt takes at most ``room`` tokens: an upper
-        bound from one draw at ``estimate_at`` (``upper_of(tokens per unit)``), then a binary search."""
+        bound from one draw at ``estimate_at`` (``upper_of(tokens per unit)``; by default three times
+        the units ``length`` tokens hold), then a binary search."""
+        upper_of = upper_of or (lambda per: int((self.length / per) * 3))
         lower, upper, best = incremental, max(upper_of(self.count(make(estimate_at)[0]) / estimate_at),
                                               incremental * 2), None
         while lower <= upper:
@@ -279,7 +281,7 @@ class Generator:
                 _after_context(full, fields)
 
         incremental = 500 if haystack == "essay" else (5 if self.length < 4096 else 25)
-        size = self.fit(make, incremental, incremental, lambda per: int((self.length / per) * 3), self.room())
+        size = self.fit(make, incremental, incremental, self.room())
         return [self.draw(make, size, incremental, self.room(), f"{haystack}-haystack niah") for _ in range(count)]
 
     def random(self, kind: str) -> str:
@@ -304,25 +306,16 @@ class Generator:
             return text[:cut] + self._renamed(example, hops) + "\n" + text[cut:], names, context_end
 
         size = self.fit(lambda n: self._chains_in_noise(n, chains, hops, full), incremental, incremental,
-                        lambda per: int((self.length / per) * 3), self.room(self.count(example)))
+                        self.room(self.count(example)))
         return [self.draw(make, size, incremental, room, "variable tracking") for _ in range(count)]
 
     def _vt_example(self, raw: str, chains: int, hops: int) -> str:
-        """RULER's in-context example: chains of 3-letter names from 12345, fitted to 500 tokens,
-        with its answer."""
+        """RULER's in-context example: chains of 3-letter names from 12345 within 500 tokens (its
+        answer not counted), with its answer."""
         make = lambda size, index=0: self._chains_in_noise(size, chains, hops, raw, example=True)  # noqa: E731
-        size = self.fit(make, 5, 5, lambda per: int((500 / per) * 3), 500)
-        used = size
-        while True:  # one sample, as RULER draws it (its answer costs no tokens here)
-            try:
-                text, names, _ = make(used)
-                if self.count(text) <= 500:
-                    return text + " " + " ".join(names) + "\n"
-            except _Redraw:
-                pass
-            if used <= 5:
-                raise D2OError("ruler: variable tracking's example does not fit 500 tokens")
-            used -= 5
+        size = self.fit(make, 5, 5, 500, lambda per: int((500 / per) * 3))
+        text, names, _ = self.draw(make, size, 5, 500, "variable tracking's example")
+        return text + " " + " ".join(names) + "\n"
 
     def _chains_in_noise(self, size, chains, hops, template, example=False):
         letters = 3 if example else 5
@@ -379,7 +372,7 @@ class Generator:
             context, answer = listed(size, 6, 1) if short else listed(size, freq_cw, freq_ucw)
             return shot + "\n" + full.format(context=context), answer, _after_context(full, {})
 
-        size = self.fit(make, 10, 4096, lambda per: int(self.length // per) * 2, self.room())
+        size = self.fit(make, 10, 4096, self.room(), lambda per: int(self.length // per) * 2)
         return [self.draw(make, size, 10, self.room(), "cwe") for _ in range(count)]
 
     # -- frequent words (freq_words_extraction.py) ----------------------------------------------
@@ -446,7 +439,7 @@ class Generator:
             fields = dict(query=question["query"])
             return full.format(context=context, **fields), question["outputs"], _after_context(full, fields)
 
-        size = self.fit(make, 10, 10, lambda per: int((self.length / per) * 3), self.room())
+        size = self.fit(make, 10, 10, self.room())
         return [self.draw(make, size, 10, self.room(), dataset, index) for index in range(count)]
 
 
