@@ -266,6 +266,16 @@ def test_a_floor_no_budget_of_an_eval_has_is_refused(tmp_path):
     assert [budget.min_tokens for budget in budgets] == [32, 32] and budgets[1].floor(1000) == 32
 
 
+def test_a_ray_sweep_without_workers_or_a_cluster_is_refused(tmp_path, monkeypatch):
+    with pytest.raises(D2OError, match="workers must be at least 1, got 0"):
+        check_config(EvalConfig(task="passkey", ray="local", workers=0, out=str(tmp_path)))
+    from d2o import cluster
+
+    monkeypatch.setitem(__import__("sys").modules, "ray", None)  # as without the extra
+    with pytest.raises(D2OError, match=r"Ray is not installed: pip install 'd2o\[ray\]'"):
+        cluster.connect("local")
+
+
 def test_one_budget_written_two_ways_is_refused(tmp_path):
     """0.5 and 0.50 are one budget: both runs would land under one key and count twice."""
     with pytest.raises(D2OError, match="0.5 given twice in budgets"):
