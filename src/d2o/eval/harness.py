@@ -33,7 +33,7 @@ from lm_eval.api.registry import register_model
 from d2o.budget import EVICT_EVERY, Budget
 from d2o.engine.cache import CompressedCache
 from d2o.errors import D2OError
-from d2o.eval.tasks.perplexity import token_nll
+from d2o.eval.tasks.perplexity import share_of, token_nll
 from d2o.runtime.context import DEFAULT_METHOD, check_asks_later
 from d2o.runtime.decoding import Batch, Sequence
 from d2o.runtime.generation import resolve
@@ -144,8 +144,8 @@ class D2OLM(LM):
             context, continuation = context[:-blanks], context[-blanks:] + continuation
         if not context:
             return [self.prefix_token()], self.tokenizer(continuation, add_special_tokens=False).input_ids
-        whole = self.encode(context + continuation)
-        return whole[:len(self.encode(context))], whole[len(self.encode(context)):]
+        whole, cut = self.encode(context + continuation), len(self.encode(context))
+        return whole[:cut], whole[cut:]
 
     def _score(self, compressed: Batch, continuations: list[list[int]]) -> list[tuple[float, bool]]:
         """Each continuation fed after a copy of the compressed context (right-padded into one pass:
@@ -175,9 +175,7 @@ class D2OLM(LM):
         for request in requests:
             ids = [self.prefix_token()] + self.tokenizer(request.args[0], add_special_tokens=False).input_ids
             check_length(self.model, len(ids))
-            budget = Budget(tokens=max(1, round(self.budget.ratio * len(ids)))) \
-                if self.budget.ratio is not None else self.budget
-            total = -token_nll(self.model, ids, self.cache(budget), self.chunk).sum().item()
+            total = -token_nll(self.model, ids, self.cache(share_of(self.budget, len(ids))), self.chunk).sum().item()
             results.append(total)
             self.cache_hook.add_partial("loglikelihood_rolling", request.args, total)
         return results

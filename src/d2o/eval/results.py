@@ -106,15 +106,16 @@ def averages(rows: list[dict]) -> list[dict]:
     averaged = []
     for task, group in by_task.items():
         labels = sorted({row["task"] for row in group})
-        full = {row["task"]: row["score"] for row in group if row["method"] == "full"}
-        able = [label for label in labels if full.get(label, 0.0) >= ABLE]
+        weak = weak_subtasks(group)
+        able = [label for label in labels if label not in weak]
+        kinds = [("average", labels)]
+        if weak and able:  # (with the full cache in the sweep)
+            kinds.append((f"average, full >= {ABLE:g}", able))
         runs: dict[tuple[str, str], dict[str, dict]] = defaultdict(dict)
         for row in group:
             runs[(row["method"], row["budget"])][row["task"]] = row
         for (method, budget), cells in runs.items():
-            for name, wanted in (("average", labels), (f"average, full >= {ABLE:g}", able)):
-                if not wanted or (name != "average" and (not full or wanted == labels)):
-                    continue
+            for name, wanted in kinds:
                 if any(label not in cells for label in wanted):
                     continue
                 chosen = [cells[label] for label in wanted]
@@ -123,6 +124,15 @@ def averages(rows: list[dict]) -> list[dict]:
                                  "n": sum(row["n"] for row in chosen),
                                  "kv_share": round(fmean(row["kv_share"] for row in chosen), 3)})
     return averaged
+
+
+def weak_subtasks(rows: list[dict]) -> set[str]:
+    """The task labels of ``rows`` whose full-cache score is below ``ABLE``, or that the full
+    cache did not run while it ran others (none when the sweep has no full cache)."""
+    full = {row["task"]: row["score"] for row in rows if row["method"] == "full"}
+    if not full:
+        return set()
+    return {row["task"] for row in rows if full.get(row["task"], 0.0) < ABLE}
 
 
 def budget_order(budget: str):
@@ -183,8 +193,7 @@ def _subtask_table(rows: list[dict], labels: list[str], config) -> str:
     full cache scores below ``ABLE`` is marked."""
     subtasks = [label for label in labels if "/" in label]
     summaries = [label for label in labels if "(" in label]
-    full = {r["task"]: r["score"] for r in rows if r["method"] == "full"}
-    weak = [label for label in subtasks if label in full and full[label] < ABLE]
+    weak = weak_subtasks([r for r in rows if r["task"] in subtasks])
     cells = {(r["task"], r["method"], r["budget"]): r for r in rows}
     runs = sorted({(r["method"], r["budget"]) for r in rows},
                   key=lambda run: (config.methods.index(run[0]), budget_order(run[1])))

@@ -53,7 +53,7 @@ class Perplexity(Task):
         return ids[: self.length], []
 
     def cache_budget(self, budget: Budget) -> Budget:
-        return Budget(tokens=max(1, round(budget.ratio * self.length))) if budget.ratio is not None else budget
+        return share_of(budget, self.length)
 
     def run(self, runner, samples, ids, questions, todos):
         from d2o.eval.runner import Outcome  # here, not at import: checking options must not wait for torch
@@ -74,6 +74,12 @@ class Perplexity(Task):
 
     def score(self, prediction, sample):
         raise D2OError("perplexity scores the text itself, not an answer")
+
+
+def share_of(budget: Budget, length: int) -> Budget:
+    """A ratio budget of a text fed in chunks as tokens per layer: that share of all ``length`` of
+    its tokens (a ratio would be taken of the first chunk); a token budget as it is."""
+    return Budget(tokens=max(1, round(budget.ratio * length))) if budget.ratio is not None else budget
 
 
 def token_nll(model, ids: list[int], cache, chunk: int):

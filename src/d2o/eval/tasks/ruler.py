@@ -38,6 +38,7 @@ from d2o.data import check_text_file, essays, read_text_file
 from d2o.errors import D2OError
 from d2o.eval.metrics import string_match_all, string_match_part
 from d2o.eval.tasks.base import Sample, Task, register_task
+from d2o.options import distinct
 from d2o.runtime.prompts import chat_text
 
 # (task template, answer prefix, tokens to generate) of each kind of task: RULER's strings.
@@ -113,8 +114,7 @@ class Ruler(Task):
         unknown = [name for name in self.tasks if name not in TASKS]
         if unknown:
             raise D2OError(f"ruler has no task {', '.join(unknown)}; its tasks: {', '.join(TASKS)}")
-        if len(set(self.tasks)) != len(self.tasks):
-            raise D2OError(f"ruler's tasks are given twice: {', '.join(self.tasks)}")
+        self.tasks = distinct(tuple(self.tasks), "ruler's tasks")  # a task twice: its rows would count twice
         if self.length < 256:
             raise D2OError(f"length={self.length} must be at least 256 tokens (RULER's prompts need room)")
         if self.haystack:
@@ -125,11 +125,11 @@ class Ruler(Task):
     def samples(self, tokenizer, limit, seed):
         head, tail = _chat_frame(tokenizer) if self.chat else ("", "")
         samples = []
-        for name in self._runnable():
+        for name, data in self._runnable():
             kind, settings = TASKS[name]
             template, prefix, tokens = KINDS[kind]
             generator = Generator(tokenizer, self.length, tokens, seed, head, tail, lambda: _words(self.haystack))
-            made = getattr(generator, kind)(limit or 10, template, prefix, **settings, **self._qa(name))
+            made = getattr(generator, kind)(limit or 10, template, prefix, **settings, **data)
             for index, (text, answers, context_end) in enumerate(made):
                 samples.append(Sample(f"ruler-{name}-{self.length}-{seed}-{index}", text, answers,
                                       max_new_tokens=tokens, special_tokens=not head, question=text[context_end:],
@@ -137,10 +137,15 @@ class Ruler(Task):
         return samples
 
     def _runnable(self):
-        """The tasks asked for whose data is here: a QA task without its data is skipped, with a
-        message, when it was not asked for by name; asked for by name, it is an error."""
+        """(name, data) of the tasks asked for whose data is here (a QA task's records; none for
+        the others): a QA task without its data is skipped, with a message, when it was not asked
+        for by name; asked for by name, it is an error."""
         for name in self.tasks:
-            if TASKS[name][0] == "qa" and self._qa_data(name) is None:
+            if TASKS[name][0] != "qa":
+                yield name, {}
+                continue
+            records = self._qa_data(name)
+            if records is None:
                 why = (f"ruler: {name} skipped: no {TASKS[name][1]['dataset']} data; point "
                        f"--task-option data_dir=DIR at a folder with squad.json and hotpotqa.json "
                        f"(RULER's scripts/data/synthetic/json/download_qa_dataset.sh fetches them)")
@@ -148,10 +153,7 @@ class Ruler(Task):
                     raise D2OError(why)
                 print(why, file=sys.stderr)
                 continue
-            yield name
-
-    def _qa(self, name: str) -> dict:
-        return {"records": self._qa_data(name)} if TASKS[name][0] == "qa" else {}
+            yield name, {"records": records}
 
     def _qa_data(self, name: str):
         """(questions, documents) of the QA task ``name``, or None where its data is not here."""
