@@ -34,7 +34,7 @@ from d2o.budget import EVICT_EVERY, Budget
 from d2o.engine.cache import CompressedCache
 from d2o.errors import D2OError
 from d2o.eval.tasks.perplexity import share_of, token_nll
-from d2o.runtime.context import DEFAULT_METHOD, check_asks_later
+from d2o.runtime.context import DEFAULT_METHOD, CompressedContext, compress_ids
 from d2o.runtime.decoding import Batch, Sequence
 from d2o.runtime.generation import resolve
 from d2o.runtime.prompts import check_length, stop_token_ids
@@ -49,7 +49,8 @@ class D2OLM(LM):
     def __init__(self, pretrained: str = "smollm2", method: str = DEFAULT_METHOD, budget=0.2, batch_size=1,
                  dtype: str = "float32", attention: str = "sdpa", device: str | None = None,
                  min_tokens: int | None = None, evict_every: int = EVICT_EVERY, kv_bits: int | None = None,
-                 add_bos_token: bool | None = None, chunk: int = 512, max_batch_size=None, **method_options):
+                 add_bos_token: bool | None = None, chunk: int = 512, max_batch_size=None,  # (lm-eval passes it)
+                 **method_options):
         super().__init__()
         from d2o.models import load_model
 
@@ -58,7 +59,6 @@ class D2OLM(LM):
                            f"itself: 'auto' is not supported)")
         if not isinstance(chunk, int) or chunk < 1:
             raise D2OError(f"chunk={chunk!r} must be a whole number of tokens >= 1")
-        self.method_name = method
         self.method, self.budget = resolve(method, str(budget), min_tokens, **method_options)
         self.batch_size = int(batch_size)
         self.evict_every, self.kv_bits, self.chunk = evict_every, kv_bits, chunk
@@ -119,7 +119,6 @@ class D2OLM(LM):
     # -- loglikelihood ----------------------------------------------------------------------------
 
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-        check_asks_later(self.method)
         results: list[tuple[float, bool] | None] = [None] * len(requests)
         by_context: dict[tuple[int, ...], list[tuple[int, list[int]]]] = defaultdict(list)
         for i, request in enumerate(requests):
@@ -127,8 +126,8 @@ class D2OLM(LM):
             by_context[tuple(context)].append((i, continuation))
         for context, items in by_context.items():
             check_length(self.model, len(context) + max(len(c) for _, c in items))
-            compressed = Batch.prefill(self.model, self.cache(), [list(context)],
-                                       [Sequence(self.tokenizer, 1, stop_ids=self.stop_ids)])
+            compressed = compress_ids(self.model, self.tokenizer, list(context), self.method, self.budget,
+                                      evict_every=self.evict_every, kv_bits=self.kv_bits)
             for start in range(0, len(items), self.batch_size):
                 chunk = items[start:start + self.batch_size]
                 for (i, continuation), result in zip(chunk, self._score(compressed, [c for _, c in chunk])):
@@ -147,7 +146,7 @@ class D2OLM(LM):
         whole, cut = self.encode(context + continuation), len(self.encode(context))
         return whole[:cut], whole[cut:]
 
-    def _score(self, compressed: Batch, continuations: list[list[int]]) -> list[tuple[float, bool]]:
+    def _score(self, compressed: CompressedContext, continuations: list[list[int]]) -> list[tuple[float, bool]]:
         """Each continuation fed after a copy of the compressed context (right-padded into one pass:
         a row's padding comes after its tokens, which cannot see it)."""
         longest = max(map(len, continuations))
