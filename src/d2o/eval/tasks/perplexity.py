@@ -52,16 +52,13 @@ class Perplexity(Task):
             raise D2OError(f"the text has {len(ids)} tokens, fewer than length={self.length}")
         return ids[: self.length], []
 
-    def cache_budget(self, budget: Budget) -> Budget:
-        return share_of(budget, self.length)
-
     def run(self, runner, samples, ids, questions, todos):
         from d2o.eval.runner import Outcome  # here, not at import: checking options must not wait for torch
 
         sample, todo = samples[0], todos[0]  # one text, never a shared context (no question)
         for run in todo:
             start = time.perf_counter()
-            cache = runner.cache(run.method, self.cache_budget(run.budget))
+            cache = runner.cache(run.method, share_of(run.budget, self.length))
             perplexity, curve = self.evaluate(runner.model, ids, cache)
             yield sample, Outcome(run, None, {"perplexity": perplexity}, cache.report(), time.perf_counter() - start,
                                   None, extra={"curve": curve})
