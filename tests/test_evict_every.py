@@ -83,7 +83,7 @@ def test_fit_packs_rows_that_evict_in_batches_under_the_cap_with_their_slack():
     assert rows[8]["batch"] < rows[1]["batch"]  # eight slack slots a layer take room a row would have
 
 
-@pytest.mark.parametrize("method", ["d2o", "d2o-plus"])
+@pytest.mark.parametrize("method", ["d2o", "d2o-plus", "d2o-plus-words"])
 def test_the_steps_that_skip_counting_and_votes_change_nothing(method):
     """Between evictions a step neither counts what the layers hold nor computes the votes of its
     query (only an eviction reads them): the same tokens, and at every eviction the same slots and

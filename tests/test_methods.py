@@ -222,25 +222,63 @@ def reference_spread(values, before, after):
     return torch.stack([values[..., max(0, t - after): t + before + 1].amax(-1) for t in range(n)], dim=-1)
 
 
-def test_d2o_plus_keeps_by_blended_scores_with_forward_spans(explicit):
+def reference_words(ids, limit):
+    """Each token's word (an index): a word starts at a token whose text begins with a blank, and is cut
+    every `limit` tokens."""
+    tokenizer, words, length = byte_tokenizer(), [], 0
+    for i, token in enumerate(ids.tolist()):
+        length += 1
+        if i == 0 or tokenizer.decode([token])[:1].isspace() or length > limit:
+            words.append(i)
+            length = 1
+        else:
+            words.append(words[-1])
+    return torch.tensor(words)
+
+
+def max_per_word(values, words):
+    return torch.stack([values[..., words == word].amax(-1) for word in words.tolist()], dim=-1)
+
+
+@pytest.mark.parametrize("name", ["d2o-plus", "d2o-plus-words"])
+def test_d2o_plus_keeps_by_blended_scores_with_forward_spans(explicit, name):
     """d2o-plus's token level (no merge, uniform budgets): mass share + the max-vote share of the last 32
-    queries spread 3 back / 8 forward + twice the surprisal share spread 3 back / 16 forward."""
+    queries spread 3 back / 8 forward (then, for d2o-plus-words, to every token of the word it reaches)
+    + twice the surprisal share spread 3 back / 16 forward."""
     model, ids, attentions = explicit
     with torch.inference_mode():
         logits = model(input_ids=ids).logits[0].double()  # no d2o cache: every position, nothing evicted
     surprisal = torch.logsumexp(logits[:-1], -1) - logits[:-1].gather(-1, ids[0, 1:, None])[:, 0]
     surprisal = reference_spread(torch.cat([torch.zeros(1, dtype=surprisal.dtype), surprisal]), 3, 16)
-    method = get_method("d2o-plus", merge=None, allocation="uniform")
+    words = reference_words(ids[0], 64)
+    assert 4 <= len(set(words.tolist())) <= PROMPT // 8  # words of many tokens to reach
+    method = get_method(name, merge=None, allocation="uniform")
     budget, recent = 60, 15  # 3:1 split, 4 sinks
     for layer, attention in zip(kept_after_prefill(model, ids, method), attentions):
         grouped = per_kv_head(attention)  # (G, group, S, S)
         mass = grouped.sum(dim=(1, 2))
         votes = reference_spread(grouped[:, :, -32:].amax(dim=(1, 2)), 3, 8)
+        if name == "d2o-plus-words":
+            votes = max_per_word(votes, words)
         shares = [mass / mass.sum(-1, keepdim=True), votes / votes.sum(-1, keepdim=True), surprisal / surprisal.sum()]
         scores = shares[0] + shares[1] + 2 * shares[2]
         for head, kept in enumerate(layer):
             expected = set(range(4)) | set(range(PROMPT - recent, PROMPT))
             assert kept == expected | top(scores[head], budget - len(expected), range(4, PROMPT - recent))
+
+
+def test_words_start_at_a_blank_and_are_cut_after_padding_and_at_the_limit():
+    token_index = torch.tensor([[-1, -1, 5, 6, 7, 8, 9, 10, 11], [0, 1, 2, 3, 4, 5, 6, 7, 8]])
+    starts = torch.tensor([[True, False, False, False, True, False, False, False, False],
+                           [False, False, True, False, False, False, False, False, True]])
+    first = scoring.word_first_tokens(token_index, starts, limit=3)
+    # row 0: two pads, then a word opened by the first real token, one by a blank, cut after 3 tokens
+    assert first.tolist() == [[-1, -1, 5, 5, 7, 7, 7, 10, 10], [0, 0, 2, 2, 2, 5, 5, 5, 8]]
+    votes = torch.tensor([[[0.0, 0.0, 0.125, 0.5, 0.0, 0.25, 0.0, 0.0, 0.75]]])
+    valid = (token_index[:1] >= 0)[:, None]
+    valid[..., 8] = False  # an empty slot neither gives nor gets a vote
+    most = scoring.max_over_words(votes, first[:1, None], valid, seen=12)
+    assert most.tolist() == [[[0.0, 0.0, 0.5, 0.5, 0.25, 0.25, 0.25, 0.0, 0.0]]]
 
 
 def reference_sentence_means(values, ends, limit):
@@ -401,6 +439,8 @@ def test_cam_merges_by_the_current_querys_look_into_the_next_span(look, merged):
     ("d2o-plus", {"scoring.votes": "mean"}, 0.3, "votes='mean'"),
     ("d2o-plus", {"scoring.surprisal": -1.0}, 0.3, "surprisal=-1.0"),
     ("d2o-plus", {"scoring.window": 0}, 0.3, "scoring.window=0 does not keep"),
+    ("d2o-plus", {"scoring.words": "yes"}, 0.3, "words='yes' must be true or false"),
+    ("d2o-plus-words", {"scoring.word_limit": 0}, 0.3, "word_limit=0 must be a whole number of tokens"),
     ("h2o", {"n_sinks": 1.5}, 0.3, "n_sinks=1.5 must be a whole number"),
     ("h2o", {"n_sinks": True}, 0.3, "n_sinks=True must be a whole number"),
     ("h2o", {"split": (1.5, 1)}, 0.3, "split=\\(1.5, 1\\) must be two non-negative parts"),

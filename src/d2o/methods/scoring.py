@@ -22,7 +22,7 @@ from d2o.engine.stats import AttentionStats, StatsRequest
 from d2o.errors import D2OError
 from d2o.options import whole
 
-MASS, VOTES, SURPRISAL, NOVELTY = "mass", "votes", "surprisal", "novelty"  # slot state
+MASS, VOTES, SURPRISAL, NOVELTY, WORD = "mass", "votes", "surprisal", "novelty", "word"  # slot state
 
 
 class Scoring(Protocol):
@@ -99,6 +99,13 @@ class BlendedScores(AccumulatedAttention):
     needle's phrase, each found by the previous one only once it is generated), so a vote reaches
     further forward than back; a surprising token opens new information that runs on for a
     clause (``surprisal_span``).
+
+    ``words``: a vote then reaches every token of the word it lands in (the tokens from one whose
+    text begins with a blank to the next such, at most ``word_limit``). A value copied out of the
+    context is read token by token after the one the question finds, and a long one (a UUID: 30 to
+    38 tokens; a number written digit by digit) runs past any fixed span: its first tokens are
+    kept and the answer invents the rest. Spread over its word, the vote keeps the value whole; a
+    word of prose is one to three tokens, which the span reaches already.
     """
 
     mean: bool = False
@@ -109,6 +116,8 @@ class BlendedScores(AccumulatedAttention):
     surprisal_span: tuple[int, int] = (3, 16)
     novelty: float = 0.0
     sentence_limit: int = 64
+    words: bool = False
+    word_limit: int = 64
 
     def __post_init__(self):
         if not whole(self.window) or self.window < 0:
@@ -125,17 +134,25 @@ class BlendedScores(AccumulatedAttention):
         for name in ("surprisal", "novelty"):
             if not getattr(self, name) >= 0:
                 raise D2OError(f"{name}={getattr(self, name)!r} must be >= 0")
-        if not whole(self.sentence_limit) or self.sentence_limit < 1:
-            raise D2OError(f"sentence_limit={self.sentence_limit!r} must be a whole number of tokens >= 1")
+        for name in ("sentence_limit", "word_limit"):
+            if not whole(getattr(self, name)) or getattr(self, name) < 1:
+                raise D2OError(f"{name}={getattr(self, name)!r} must be a whole number of tokens >= 1")
+        if not isinstance(self.words, bool):
+            raise D2OError(f"words={self.words!r} must be true or false")
 
     @property
     def needs_surprisal(self) -> bool:
-        return self.surprisal > 0 or self.novelty > 0
+        # The words are read from the new tokens' ids, handed over with their surprisal.
+        return self.surprisal > 0 or self.novelty > 0 or self.reads_words
+
+    @property
+    def reads_words(self) -> bool:
+        return self.words and self.window > 0
 
     @property
     def keeps(self) -> tuple[str, ...]:
         return ((MASS,) + ((VOTES,) if self.window else ()) + ((SURPRISAL,) if self.surprisal else ())
-                + ((NOVELTY,) if self.novelty else ()))
+                + ((NOVELTY,) if self.novelty else ()) + ((WORD,) if self.reads_words else ()))
 
     def slot_state_bytes(self, group: int) -> int:
         return super().slot_state_bytes(group) + STATE_VALUE_BYTES * (len(self.keeps) - 1)  # one value each
@@ -158,6 +175,10 @@ class BlendedScores(AccumulatedAttention):
             ends = sentence_ends(cache.tokenizer, cache.config.vocab_size).to(input_ids.device)[input_ids]
             real = cache.layers[0].fresh_real(input_ids.shape[1])
             record_tokens(cache, NOVELTY, sentence_means(surprisal, ends, real, self.sentence_limit))
+        if self.reads_words:
+            starts = word_starts(cache.tokenizer, cache.config.vocab_size).to(input_ids.device)[input_ids]
+            first = cache.layers[0].fresh_index(input_ids.shape[1])
+            record_tokens(cache, WORD, word_first_tokens(first, starts, self.word_limit).float())
 
     def score(self, layer) -> torch.Tensor:
         valid = layer.valid
@@ -166,7 +187,10 @@ class BlendedScores(AccumulatedAttention):
             mass = mass / (layer.real_seen[:, None, None] - layer.token_index).clamp_min(1)
         total = share(mass, valid)
         if VOTES in layer.slot_state:
-            total += share(layer.slot_state[VOTES], valid)
+            votes = layer.slot_state[VOTES]
+            if WORD in layer.slot_state:
+                votes = max_over_words(votes, layer.slot_state[WORD].long(), valid, layer.seen)
+            total += share(votes, valid)
         if self.surprisal and SURPRISAL in layer.slot_state:
             total += self.surprisal * share(layer.slot_state[SURPRISAL], valid)
         if self.novelty and NOVELTY in layer.slot_state:
@@ -243,13 +267,52 @@ SENTENCE_END = re.compile(r"[.!?\n\u3002\uff01\uff1f]")  # . ! ? a line break, a
 
 
 @lru_cache(maxsize=4)
+def token_texts(tokenizer, size: int) -> tuple[str, ...]:
+    """The text of each of the first ``size`` token ids, decoded alone."""
+    return tuple(tokenizer.batch_decode([[i] for i in range(size)]))
+
+
+def token_flags(tokenizer, vocab_size: int, flag) -> torch.Tensor:
+    """(vocab_size,) bool: ``flag(text)`` for each token id's text (ids the tokenizer lacks: False)."""
+    texts = token_texts(tokenizer, min(len(tokenizer), vocab_size))
+    flags = torch.zeros(vocab_size, dtype=torch.bool)
+    flags[:len(texts)] = torch.tensor([flag(text) for text in texts])
+    return flags
+
+
+@lru_cache(maxsize=4)
 def sentence_ends(tokenizer, vocab_size: int) -> torch.Tensor:
-    """(vocab_size,) bool: the token ids whose text ends a sentence (ids the tokenizer lacks: no)."""
-    size = min(len(tokenizer), vocab_size)
-    texts = tokenizer.batch_decode([[i] for i in range(size)])
-    ends = torch.zeros(vocab_size, dtype=torch.bool)
-    ends[:size] = torch.tensor([bool(SENTENCE_END.search(text)) for text in texts])
-    return ends
+    """(vocab_size,) bool: the token ids whose text ends a sentence."""
+    return token_flags(tokenizer, vocab_size, lambda text: bool(SENTENCE_END.search(text)))
+
+
+@lru_cache(maxsize=4)
+def word_starts(tokenizer, vocab_size: int) -> torch.Tensor:
+    """(vocab_size,) bool: the token ids whose text begins with a blank (a space, a line break)."""
+    return token_flags(tokenizer, vocab_size, lambda text: text[:1].isspace())
+
+
+def word_first_tokens(token_index: torch.Tensor, starts: torch.Tensor, limit: int) -> torch.Tensor:
+    """(B, q): the token index of each token's word's first token: a word runs from a token that
+    ``starts`` one (or the pass's first) up to the next, cut every ``limit`` tokens; padding (-1)
+    keeps -1. A word split between two passes counts as two."""
+    batch, n = token_index.shape
+    position = torch.arange(n, device=token_index.device).expand(batch, n)
+    begins = starts.clone()
+    begins[:, 0] = True
+    begins[:, 1:] |= token_index[:, :-1] < 0  # the first real token after padding
+    start = torch.where(begins, position, 0).cummax(dim=1).values
+    start = start + (position - start) // limit * limit
+    return token_index.gather(1, start).masked_fill(token_index < 0, -1)
+
+
+def max_over_words(values: torch.Tensor, word: torch.Tensor, valid: torch.Tensor, seen: int) -> torch.Tensor:
+    """``values`` (B, G, N) >= 0, each slot's replaced by the largest among the valid slots of its
+    word (``word``: its word's first token index, below ``seen``); invalid slots get 0."""
+    word = word.masked_fill(~valid, 0)
+    values = values.masked_fill(~valid, 0.0)
+    most = values.new_zeros(*values.shape[:-1], seen).scatter_reduce_(-1, word, values, "amax")
+    return most.gather(-1, word).masked_fill_(~valid, 0.0)
 
 
 def sentence_means(values: torch.Tensor, ends: torch.Tensor, real: torch.Tensor, limit: int) -> torch.Tensor:

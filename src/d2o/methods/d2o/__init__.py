@@ -3,7 +3,7 @@
 from d2o.methods.allocation import Uniform
 from d2o.methods.d2o.merging import SimilarityMerge
 from d2o.methods.d2o.method import D2O, variant
-from d2o.methods.d2o.plus import D2OPlus, attention_weighted_merge
+from d2o.methods.d2o.plus import D2OPlus, D2OPlusWords, attention_weighted_merge
 from d2o.methods.d2o.novelty import D2ONovelty
 from d2o.methods.scoring import BlendedScores
 
@@ -31,9 +31,8 @@ variant("d2o-plus-sumvotes", "d2o-plus ablation: votes summed over the latest qu
         D2OPlus, scoring=lambda: BlendedScores(votes="sum"))
 variant("d2o-plus-noreach", "d2o-plus ablation: votes and surprisal spread 3 tokens each way (SnapKV's kernel 7)",
         D2OPlus, scoring=lambda: BlendedScores(span=(3, 3), surprisal_span=(3, 3)))
-
 variant("d2o-novelty-uniform", "d2o-novelty ablation: the same budget in every layer", D2ONovelty, allocation=Uniform)
 variant("d2o-novelty-nomerge", "d2o-novelty ablation: evicted tokens dropped, not merged", D2ONovelty,
         merge=lambda: None)
 
-__all__ = ["D2O", "D2ONovelty", "D2OPlus", "SimilarityMerge"]
+__all__ = ["D2O", "D2ONovelty", "D2OPlus", "D2OPlusWords", "SimilarityMerge"]
