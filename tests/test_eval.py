@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from d2o import D2OError
-from d2o.eval.sweep import EvalConfig, check_folder, run_eval
+from d2o.eval.sweep import EvalConfig, check_folder, record_config, run_eval
 from d2o.eval.tasks import get_task
 
 PASSKEY = dict(task="passkey", budgets=("0.5",), limit=2, task_options={"length": 400})
@@ -87,6 +87,20 @@ def test_a_corrupt_config_is_named(tmp_path):
         (tmp_path / "config.json").write_bytes(text.encode("latin-1"))
         with pytest.raises(D2OError, match="config.json is not a configuration that d2o eval wrote"):
             check_folder(tmp_path, config, task)
+
+
+def test_a_folder_from_before_a_task_option_existed_resumes_at_its_default(tmp_path):
+    """A folder written before `needles` was a NIAH option records no `needles`: it ran one needle,
+    the default, and resumes; another value is refused."""
+    config = EvalConfig(task="niah", out=str(tmp_path), task_options={"lengths": (300,)})
+    task = get_task("niah", lengths=(300,))
+    record_config(tmp_path, config, task)
+    written = json.loads((tmp_path / "config.json").read_text())
+    del written["identity"]["task_settings"]["needles"]
+    (tmp_path / "config.json").write_text(json.dumps(written))
+    check_folder(tmp_path, config, task)
+    with pytest.raises(D2OError, match="differs in: task_settings"):
+        check_folder(tmp_path, config, get_task("niah", lengths=(300,), needles=2))
 
 
 def test_niah_grid_and_heatmaps(real_model, tmp_path):

@@ -8,7 +8,7 @@ prefill forked per run, then greedy decoding; see ``runner``). Results go line b
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
 from d2o.budget import MIN_TOKENS, Budget, parse_budgets
@@ -202,6 +202,8 @@ def check_folder(out: Path, config: EvalConfig, task: Task) -> None:
     if path.exists():
         recorded = recorded_identity(path)
         identity = _identity(config, task)
+        if isinstance(recorded.get("task_settings"), dict):  # a task option added since: the folder ran its default
+            recorded["task_settings"] = {**task_defaults(task), **recorded["task_settings"]}
         if recorded != identity:
             differing = sorted(k for k in identity if recorded.get(k) != identity[k])
             raise D2OError(f"{out} holds results of another configuration (differs in: {', '.join(differing)}); "
@@ -218,6 +220,13 @@ def recorded_identity(path: Path) -> dict:
         raise D2OError(f"{path} is not a configuration that d2o eval wrote: choose another --out, or delete it "
                        f"if the results there are of this configuration")
     return identity
+
+
+def task_defaults(task: Task) -> dict:
+    """The task's options at their defaults, as its settings are recorded."""
+    defaults = {f.name: f.default if f.default is not MISSING else f.default_factory() for f in fields(task)
+                if f.default is not MISSING or f.default_factory is not MISSING}
+    return json.loads(json.dumps(defaults))
 
 
 def record_config(out: Path, config: EvalConfig, task: Task) -> None:
