@@ -5,7 +5,7 @@
 set -euo pipefail
 D2O=${D2O:-.venv/bin/d2o}
 OUT=${OUT:-docs/results}
-M=full,local,streamingllm,h2o,tova,snapkv,pyramidkv,cam,roco,sirllm,d2o,d2o-nomerge,d2o-official,d2o-plus
+M=full,local,streamingllm,h2o,tova,snapkv,pyramidkv,cam,roco,sirllm,d2o,d2o-nomerge,d2o-official,d2o-plus,d2o-plus-words
 M=$M,d2o-plus-nomerge,d2o-plus-nearmerge,d2o-plus-blend,d2o-plus-blend-nomass,d2o-plus-blend-nearmerge,d2o-plus-papermerge
 M=$M,d2o-plus-countmerge,d2o-plus-nowindow,d2o-plus-nosurprisal,d2o-plus-uniform,d2o-plus-sumvotes,d2o-plus-noreach
 M=$M,d2o-plus-recent,kvzip,expected-attention,d2o-novelty,d2o-novelty-uniform,d2o-novelty-nomerge
@@ -28,7 +28,7 @@ $D2O eval --task niah --task-option needles=8 --task-option lengths=1000,2000 --
   --out "$OUT/niah-needles-context"
 # Perplexity for the main methods, the d2o-plus merge ablations and d2o-novelty's (the others are judged on the
 # retrieval tasks).
-P=full,local,streamingllm,h2o,tova,snapkv,pyramidkv,cam,roco,sirllm,d2o,d2o-nomerge,d2o-official,d2o-plus
+P=full,local,streamingllm,h2o,tova,snapkv,pyramidkv,cam,roco,sirllm,d2o,d2o-nomerge,d2o-official,d2o-plus,d2o-plus-words
 P=$P,d2o-plus-nomerge,d2o-plus-nearmerge,d2o-plus-blend,d2o-plus-blend-nomass,d2o-plus-blend-nearmerge,d2o-plus-countmerge
 P=$P,d2o-plus-recent,kvzip,expected-attention,d2o-novelty,d2o-novelty-uniform,d2o-novelty-nomerge
 $D2O eval --task perplexity --task-option length=8192 --task-option chunk=64 --seed 0 --methods $P --budgets $B \

@@ -8,7 +8,8 @@
 set -euo pipefail
 D2O=${D2O:-.venv/bin/d2o}
 OUT=${OUT:-docs/results/heldout}
-M=full,h2o,tova,snapkv,pyramidkv,roco,sirllm,d2o,d2o-nomerge,d2o-plus,d2o-plus-nomerge,d2o-plus-nearmerge,d2o-plus-nowindow
+M=full,h2o,tova,snapkv,pyramidkv,roco,sirllm,d2o,d2o-nomerge,d2o-plus,d2o-plus-words,d2o-plus-nomerge,d2o-plus-nearmerge
+M=$M,d2o-plus-nowindow
 M=$M,d2o-plus-blend,d2o-plus-blend-nomass,d2o-plus-blend-nearmerge
 M=$M,d2o-plus-recent,kvzip,expected-attention,d2o-novelty,d2o-novelty-uniform,d2o-novelty-nomerge
 B=0.1,0.2,0.5
