@@ -6,7 +6,7 @@
 set -euo pipefail
 D2O=${D2O:-.venv/bin/d2o}
 OUT=${OUT:-docs/results/ruler}
-$D2O eval --task ruler --model gemma3-270m --task-option length=4096 --limit 2 --seed 0 \
+$D2O eval --task ruler --model gemma3-270m --task-option length=4096 --limit 4 --seed 0 \
   --methods full,d2o-plus-words,d2o-plus,d2o,snapkv,pyramidkv,h2o,expected-attention --budgets 0.25 \
   --out "$OUT/gemma3-4k-prompt"
 $D2O eval --task ruler --model gemma3-270m --task-option length=4096 --limit 1 --seed 0 --protocol context \
