@@ -31,6 +31,7 @@ variant("d2o-plus-sumvotes", "d2o-plus ablation: votes summed over the latest qu
         D2OPlus, scoring=lambda: BlendedScores(votes="sum"))
 variant("d2o-plus-noreach", "d2o-plus ablation: votes and surprisal spread 3 tokens each way (SnapKV's kernel 7)",
         D2OPlus, scoring=lambda: BlendedScores(span=(3, 3), surprisal_span=(3, 3)))
+
 variant("d2o-novelty-uniform", "d2o-novelty ablation: the same budget in every layer", D2ONovelty, allocation=Uniform)
 variant("d2o-novelty-nomerge", "d2o-novelty ablation: evicted tokens dropped, not merged", D2ONovelty,
         merge=lambda: None)

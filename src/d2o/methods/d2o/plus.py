@@ -88,12 +88,13 @@ class D2OPlusWords(D2OPlus):
 
     A value the answer copies out of the context is read one token after another from where the
     question looks: ``d2o-plus`` keeps the 8 tokens after the key a question finds, which hold a
-    7-digit number but not a UUID (30 to 38 tokens in SmolLM2's and Gemma 3's vocabularies, written
-    without a blank): its first characters were kept and the answer invented the rest, at every
-    budget (RULER's UUID needle at 1K on SmolLM2: 0 of 3 at 10%, 25% and 50%, where the full cache
-    answers all three).
-    A word of prose is one to three tokens, so the reach costs the rest of the text little. The
-    mechanism was found on RULER's prompts (docs/results/ruler); no setting was tuned.
+    passkey's 5 digits but not a UUID (30 to 38 tokens in SmolLM2's and Gemma 3's vocabularies,
+    written without a blank), nor the last digit of a 7-digit number after a key of several tokens:
+    the answer kept the value's first tokens and invented the rest (RULER's UUID needle at 1K on
+    SmolLM2: 0 of 3 at 10%, 25% and 50%, where the full cache answers all three; 2 of 3 here). A
+    word of prose is one to three tokens, so the reach costs the rest of the text little (level
+    with ``d2o-plus`` on the passkey, NIAH and perplexity sets). The mechanism was found on RULER's
+    prompts (docs/results/ruler); no setting was tuned.
     """
 
     name = "d2o-plus-words"
