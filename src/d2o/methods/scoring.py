@@ -296,14 +296,18 @@ def word_first_tokens(token_index: torch.Tensor, starts: torch.Tensor, limit: in
     """(B, q): the token index of each token's word's first token: a word runs from a token that
     ``starts`` one (or the pass's first) up to the next, cut every ``limit`` tokens; padding (-1)
     keeps -1. A word split between two passes counts as two."""
-    batch, n = token_index.shape
-    position = torch.arange(n, device=token_index.device).expand(batch, n)
     begins = starts.clone()
-    begins[:, 0] = True
     begins[:, 1:] |= token_index[:, :-1] < 0  # the first real token after padding
+    return token_index.gather(1, segment_starts(begins, limit)).masked_fill(token_index < 0, -1)
+
+
+def segment_starts(begins: torch.Tensor, limit: int) -> torch.Tensor:
+    """(B, q): the position of each position's segment's first, a segment running from the pass's
+    first position or one where ``begins`` up to the next, cut every ``limit`` positions."""
+    batch, n = begins.shape
+    position = torch.arange(n, device=begins.device).expand(batch, n)
     start = torch.where(begins, position, 0).cummax(dim=1).values
-    start = start + (position - start) // limit * limit
-    return token_index.gather(1, start).masked_fill(token_index < 0, -1)
+    return start + (position - start) // limit * limit
 
 
 def max_over_words(values: torch.Tensor, word: torch.Tensor, valid: torch.Tensor, seen: int) -> torch.Tensor:
@@ -321,12 +325,8 @@ def sentence_means(values: torch.Tensor, ends: torch.Tensor, real: torch.Tensor,
     tokens; padding (``real`` False) neither counts nor gets one."""
     batch, n = values.shape
     ends = (ends & real) | ~real  # each padding token a sentence of its own, weighing nothing
-    index = torch.arange(n, device=values.device).expand(batch, n)
-    last_end = torch.where(ends, index, -1).cummax(dim=1).values
-    start = F.pad(last_end[:, :-1], (1, 0), value=-1) + 1  # the first token of each token's sentence
-    key = (start * (n // limit + 1) + (index - start) // limit
-           + torch.arange(batch, device=values.device)[:, None] * n * (n // limit + 1))
-    _, sentence = torch.unique(key, return_inverse=True)
+    start = segment_starts(F.pad(ends[:, :-1], (1, 0)), limit)  # a sentence begins after an end
+    _, sentence = torch.unique(start + torch.arange(batch, device=values.device)[:, None] * n, return_inverse=True)
     weight = real.to(values.dtype)
     sums = values.new_zeros(int(sentence.max()) + 1).index_add_(0, sentence.flatten(), (values * weight).flatten())
     counts = values.new_zeros(sums.shape).index_add_(0, sentence.flatten(), weight.flatten())
