@@ -72,3 +72,39 @@ def test_the_output_from_the_statistics_equals_sdpa(monkeypatch, chunk_elements)
     expected = explicit_attention(query, key, valid, 0.3).nan_to_num(0.0) @ value.repeat_interleave(3, dim=1)
     real = valid[:, None, :, None].transpose(1, 2)  # padding queries' outputs are not compared
     torch.testing.assert_close(got * real, expected.transpose(1, 2) * real, atol=1e-5, rtol=1e-5)
+
+
+class _WrappedHead(torch.nn.Module):
+    """An output head that is not a plain linear layer: it is called as it is."""
+
+    def __init__(self, linear):
+        super().__init__()
+        self.weight, self.inner = linear.weight, linear
+
+    def forward(self, hidden):
+        return self.inner(hidden)
+
+
+# 7 positions of 2 rows a chunk (the last chunk short), or all at once
+@pytest.mark.parametrize("chunk_elements", [7 * 2 * 50, 1 << 22])
+@pytest.mark.parametrize("head", ["linear", "linear+bias", "wrapped"])
+def test_surprisal_equals_the_log_softmax_of_the_whole_logits(monkeypatch, chunk_elements, head):
+    """-log p(x_t | x_<t), a chunk of positions at a time (into one reused buffer for a plain linear
+    head): equal to the log-softmax of all positions' logits at once, the earlier pass's last hidden
+    state scoring this pass's first token, and zero where the token or its predictor is padding."""
+    monkeypatch.setattr(stats_module, "SURPRISAL_CHUNK_ELEMENTS", chunk_elements)
+    torch.manual_seed(2)
+    vocab, dim, n_new = 50, 16, 24
+    linear = torch.nn.Linear(dim, vocab, bias=head == "linear+bias", dtype=torch.float64)
+    lm_head = _WrappedHead(linear) if head == "wrapped" else linear
+    hidden, previous = torch.randn(2, n_new, dim, dtype=torch.float64), torch.randn(2, dim, dtype=torch.float64)
+    ids = torch.randint(0, vocab, (2, n_new))
+    valid = torch.ones(2, n_new, dtype=torch.bool)
+    valid[1, :5] = False  # left padding
+    with torch.inference_mode():
+        got, last = stats_module.token_surprisal(ids, hidden, lm_head, valid, previous)
+    log_probs = torch.log_softmax(linear(torch.cat([previous[:, None], hidden[:, :-1]], dim=1)), dim=-1)
+    expected = -log_probs.gather(-1, ids[..., None])[..., 0]
+    expected[1, :6] = 0.0  # padding, and the first real token, predicted from padding
+    torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(last, hidden[:, -1])

@@ -176,6 +176,28 @@ def attention_stats(
 SURPRISAL_CHUNK_ELEMENTS = 1 << 22
 
 
+def _output_head(lm_head, rows: int):
+    """``hidden (B, c, d) -> logits (B, c, V)`` for c * B <= ``rows``, computed into one buffer reused by
+    every chunk when the head is a plain linear layer (a fresh multi-MB tensor per chunk costs a
+    page fault per 4 KB); any other head (quantized, subclassed, or wrapped by accelerate's hooks) is
+    called as it is."""
+    if type(lm_head) is not torch.nn.Linear or hasattr(lm_head, "_hf_hook") or lm_head.weight.is_meta:
+        return lm_head
+    weight, bias = lm_head.weight.t(), lm_head.bias
+    buffer = torch.empty(rows * weight.shape[1], dtype=weight.dtype, device=weight.device)
+
+    def logits(hidden: torch.Tensor) -> torch.Tensor:
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        out = buffer[: flat.shape[0] * weight.shape[1]].view(flat.shape[0], weight.shape[1])
+        if bias is None:
+            torch.mm(flat, weight, out=out)
+        else:
+            torch.addmm(bias, flat, weight, out=out)
+        return out.view(*hidden.shape[:-1], weight.shape[1])
+
+    return logits
+
+
 def token_surprisal(
     input_ids: torch.Tensor, hidden: torch.Tensor, lm_head, valid: torch.Tensor, previous: torch.Tensor | None,
     previous_logits: torch.Tensor | None = None,
@@ -200,10 +222,14 @@ def token_surprisal(
     offset = n_new - predictors.shape[1]
     vocab = lm_head.weight.shape[0]
     chunk = max(1, SURPRISAL_CHUNK_ELEMENTS // max(1, batch * vocab))
+    logits_of = lm_head if predictors.shape[1] <= chunk else _output_head(lm_head, chunk * batch)
     for start in range(0, predictors.shape[1], chunk):
-        logits = lm_head(predictors[:, start : start + chunk]).float()
+        logits = logits_of(predictors[:, start : start + chunk]).float()
         picked = logits.gather(-1, targets[:, start : start + chunk, None]).squeeze(-1)
-        surprisal[:, offset + start : offset + start + logits.shape[1]] = torch.logsumexp(logits, dim=-1) - picked
+        # logsumexp in place: the chunk's logits are not needed after it.
+        top = logits.amax(-1, keepdim=True)
+        total = logits.sub_(top).exp_().sum(-1).log_().add_(top.squeeze(-1))
+        surprisal[:, offset + start : offset + start + logits.shape[1]] = total - picked
     # A token predicted from padding (the first real one of a left-padded row) has no surprisal.
     follows_real = torch.cat([valid.new_zeros((batch, 1)) if previous is None else valid.new_ones((batch, 1)),
                               valid[:, :-1]], dim=1)

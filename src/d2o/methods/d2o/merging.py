@@ -222,9 +222,13 @@ class SimilarityMerge:
     def _near(self, layer, evicted: Evicted):
         """The kept slots within ``min_distance`` positions of each evicted token, as a function of a
         slice of the evicted tokens ((B, G, e, N) bool), so that no (E, N) matrix is held whole."""
+        kept = layer.token_index[:, :, None, :]
+
         def near(part: slice) -> torch.Tensor:
-            gap = evicted.token_index[:, :, part, None] - layer.token_index[:, :, None, :]
-            return gap.abs() <= self.min_distance
+            # Two comparisons with the window's ends: an (e, N) matrix of differences and its absolute
+            # value, in the index's int64, cost a prefill's compression more than its similarities.
+            index = evicted.token_index[:, :, part, None]
+            return (kept >= index - self.min_distance) & (kept <= index + self.min_distance)
         return near
 
     def _fold(self, layers: list, evicted: list[Evicted], rows: list[slice], best, target, merged) -> None:
