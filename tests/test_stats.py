@@ -85,14 +85,17 @@ class _WrappedHead(torch.nn.Module):
         return self.inner(hidden)
 
 
-# 7 positions of 2 rows a chunk (the last chunk short), or all at once
-@pytest.mark.parametrize("chunk_elements", [7 * 2 * 50, 1 << 22])
+# Tiles of 700 logits: a linear head in tiles of 20 positions (the last one 8) by 35 tokens (the
+# last 15); any other head 14 positions at a time. Or all 48 positions at once.
+@pytest.mark.parametrize("chunk_elements", [700, 1 << 22])
 @pytest.mark.parametrize("head", ["linear", "linear+bias", "wrapped"])
 def test_surprisal_equals_the_log_softmax_of_the_whole_logits(monkeypatch, chunk_elements, head):
-    """-log p(x_t | x_<t), a chunk of positions at a time (into one reused buffer for a plain linear
-    head): equal to the log-softmax of all positions' logits at once, the earlier pass's last hidden
-    state scoring this pass's first token, and zero where the token or its predictor is padding."""
+    """-log p(x_t | x_<t), a tile of positions and vocabulary at a time, the logsumexp kept running
+    over the vocabulary's slices: equal to the log-softmax of all positions' logits at once, the
+    earlier pass's last hidden state scoring this pass's first token, and zero where the token or
+    its predictor is padding."""
     monkeypatch.setattr(stats_module, "SURPRISAL_CHUNK_ELEMENTS", chunk_elements)
+    monkeypatch.setattr(stats_module, "SURPRISAL_ROWS", 20)
     torch.manual_seed(2)
     vocab, dim, n_new = 50, 16, 24
     linear = torch.nn.Linear(dim, vocab, bias=head == "linear+bias", dtype=torch.float64)
