@@ -189,11 +189,11 @@ def _logit_tiles(lm_head, hidden: torch.Tensor):
     subclassed, or wrapped by accelerate's hooks), and any head for positions that fit one tile
     whole (a decode step's), is called as it is, on a few positions at a time."""
     n, vocab = hidden.shape[0], lm_head.weight.shape[0]
-    step = max(1, SURPRISAL_CHUNK_ELEMENTS // vocab)
-    if (n <= step or type(lm_head) is not torch.nn.Linear or hasattr(lm_head, "_hf_hook")
+    whole_rows = max(1, SURPRISAL_CHUNK_ELEMENTS // vocab)  # positions whose logits make one tile
+    if (n <= whole_rows or type(lm_head) is not torch.nn.Linear or hasattr(lm_head, "_hf_hook")
             or lm_head.weight.is_meta):
-        for start in range(0, n, step):
-            yield slice(start, start + step), 0, lm_head(hidden[start : start + step])
+        for start in range(0, n, whole_rows):
+            yield slice(start, start + whole_rows), 0, lm_head(hidden[start : start + whole_rows])
         return
     weight, bias = lm_head.weight, lm_head.bias
     step = min(n, SURPRISAL_ROWS)
