@@ -22,7 +22,7 @@ from d2o.engine.policy import Evicted, Policy, ProbePass
 from d2o.engine.quantization import KVQuantization
 from d2o.engine.quantized import QuantizedLayer
 from d2o.engine.report import CacheReport, LayerReport
-from d2o.engine.selection import evicted_slots, select_kept, select_victim
+from d2o.engine.selection import evicted_slots, select_evicted, select_kept, select_victim
 from d2o.engine.stats import token_surprisal
 from d2o.engine.storage import CompressedLayer
 from d2o.errors import D2OError
@@ -477,9 +477,11 @@ class CompressedCache(Cache):
         """Bring each of ``layers`` from ``kept`` to ``target`` tokens per row ((L, B) each), keeping
         what ``chooser`` (the policy, or the window's rule) scores and protects; its merge, if it has
         one, folds what left into what stayed. The layers of a decode step (one token each per row and
-        KV head) go to the merge in one call, which may decide them together; a larger eviction (the
-        prefill's) is merged as soon as its layer is shrunk, so that one layer's copies are held at a
-        time. The counts of every layer are compared at once."""
+        KV head, or k when evicting every k steps) go to the merge in one call, which may decide them
+        together; a larger eviction (the prefill's) is merged as soon as its layer is shrunk, so that
+        one layer's copies are held at a time. The counts of every layer are compared at once.
+        ``in_place``: decoding in batches of steps (the evicted slots of a decode step are emptied
+        where they are)."""
         excess = kept - target
         most, fewest = excess.amax(-1).tolist(), excess.amin(-1).tolist()
         merging = []
@@ -487,10 +489,12 @@ class CompressedCache(Cache):
                                                                      fewest):
             if n_most <= 0:
                 continue
-            evicted = self._shrink(layer, row_target, row_excess, n_most, n_fewest, chooser, in_place)
+            # Evicted slots are emptied where they are only after a pass of one token (a decode step).
+            in_step = in_place and layer.owns_storage and layer.written is not None
+            evicted = self._shrink(layer, row_target, row_excess, n_most, n_fewest, chooser, in_step)
             if evicted is None:
                 continue
-            if n_most == 1:
+            if n_most == 1 or in_step:  # a few tokens per layer: all layers' are merged together
                 merging.append((layer, evicted))
             else:
                 layer.merged += chooser.merge.merge([layer], [evicted])[0]
@@ -507,9 +511,9 @@ class CompressedCache(Cache):
         fold it in, else None.
 
         A decode step evicts at most one token per row and KV head: its slot is only marked empty,
-        nothing is copied. A larger eviction gathers the kept slots into new tensors, but one of
-        decoding in batches of steps (``in_place``), whose evicted slots are marked empty for the
-        next tokens to be written into."""
+        nothing is copied. A larger eviction gathers the kept slots into new tensors, but one of a
+        decode step evicting in batches of steps (``in_place``), whose evicted slots are marked empty
+        for the next tokens to be written into."""
         scores, protected = chooser.score(layer), chooser.protected(layer, target)
         if scores.dtype != torch.float32:
             scores = scores.float()
@@ -521,20 +525,19 @@ class CompressedCache(Cache):
             if merge is not None:
                 evicted = layer.evicted(victim, (excess > 0)[:, None], merge.reads, merge.vectors)
             layer.drop(victim, rows)
-        else:
-            keep, keep_valid = select_kept(scores, protected, layer.token_index, target)
-            # In place only after a pass of one token (a decode step): the next ones fill the emptied
-            # slots. A longer input was appended; the kept slots are gathered, k empty ones after them.
-            in_place = in_place and layer.owns_storage and layer.written is not None
-            if merge is not None or in_place:
-                slots, valid = evicted_slots(layer.valid, keep, keep_valid, target)
+        elif in_place:  # the evicted slots are emptied where they are, for the next tokens to fill
+            slots, valid = select_evicted(scores, protected, layer.token_index, excess)
             if merge is not None:
                 evicted = layer.evicted(slots, valid, merge.reads, merge.vectors)
-            if in_place:
-                layer.drop_many(slots, valid)
-            else:  # the layer is then as wide as it will be when decoding (budget + evict_every)
-                batched = self.evict_every > 1 and chooser is self.policy and self.policy.evicts_during_decode
-                layer.keep(keep, keep_valid, slack=self.evict_every if batched else 0)
+            layer.drop_many(slots, valid)
+        else:  # a longer input was appended: the kept slots are gathered, k empty ones after them
+            keep, keep_valid = select_kept(scores, protected, layer.token_index, target)
+            if merge is not None:
+                evicted = layer.evicted(*evicted_slots(layer.valid, keep, keep_valid, target), merge.reads,
+                                        merge.vectors)
+            # The layer is then as wide as it will be when decoding (budget + evict_every).
+            batched = self.evict_every > 1 and chooser is self.policy and self.policy.evicts_during_decode
+            layer.keep(keep, keep_valid, slack=self.evict_every if batched else 0)
         return evicted
 
     # -- inspection ---------------------------------------------------------------------------

@@ -56,6 +56,27 @@ def evicted_slots(
     return order, evict_valid
 
 
+def select_evicted(
+    scores: torch.Tensor, protected: torch.Tensor, token_index: torch.Tensor, count: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The slots ``select_kept`` leaves out when it keeps all valid slots of row b but ``count[b]``,
+    found directly (an eviction of a few slots during decoding): per row and KV head, the lowest
+    scores among the valid slots, unprotected ones first, the older token among equal scores.
+    Indices (B, G, E) in increasing slot order, E = max(count), and (B, E) validity, as
+    ``evicted_slots`` returns them."""
+    n_slots = scores.shape[-1]
+    empty = token_index < 0
+    ranked = scores.masked_fill(protected | empty, float("inf"))
+    # Empty slots after the protected ones among the infinite ranks: they are never evicted.
+    oldest_first = token_index.masked_fill(empty, torch.iinfo(token_index.dtype).max).argsort(dim=-1)
+    order = ranked.gather(-1, oldest_first).argsort(dim=-1, stable=True)
+    width = int(count.max())
+    evict_valid = torch.arange(width, device=scores.device)[None, :] < count[:, None]
+    lowest = oldest_first.gather(-1, order[..., :width])
+    slots = lowest.masked_fill(~evict_valid[:, None, :], n_slots).sort(dim=-1).values.clamp_max(n_slots - 1)
+    return slots, evict_valid
+
+
 def row_offsets(batch: int, heads: int, n_slots: int, device) -> torch.Tensor:
     """(B, G, 1): where each row and KV head of a (B, G, ``n_slots``, ...) tensor starts in its
     (B * G * n_slots, ...) view."""
