@@ -12,7 +12,7 @@ import torch
 
 from d2o import Budget, get_method
 from d2o.bench import fit
-from d2o.bench.decode import bench_decode
+from d2o.bench.decode import bench_decode, window_means
 from d2o.bench.fit import bench_fit, largest_batch
 from d2o.bench.memory import measure_peak
 from d2o.bench.models import random_model, row_prompts
@@ -129,6 +129,19 @@ def test_decode_counts_the_operations_of_a_step_and_compression_adds_some(tiny):
     assert 0 < ops["full"] < ops["streamingllm"] < ops["h2o"] < ops["d2o"], ops
     short = bench_decode(tiny, None, ["full"], [200], [1], Budget.parse("0.2"), steps=3)
     assert "ops_per_step" not in short[0]  # too few steps to count one past the first
+
+
+def test_the_budget_sized_full_cache_holds_the_prompts_last_tokens_the_budget_keeps(tiny):
+    """Its KV is the full cache's over as many tokens as the budget keeps per layer (0.25 of 400 = 100),
+    each cache grown by the same decode steps."""
+    steps = 3
+    rows = {row["method"]: row for row in bench_decode(tiny, None, ["full", "h2o"], [400], [2], Budget(ratio=0.25,
+                                                       min_tokens=0), steps=steps, budget_sized_full=True)}
+    sized, full = rows["full, budget-sized"], rows["full"]
+    assert sized["budget"] == "0.25" and sized["batch"] == 2 and "evict_every" not in sized
+    per_token = full["kv_mib"] / (400 + steps)
+    assert sized["kv_mib"] == pytest.approx(per_token * (100 + steps), rel=1e-3)
+    assert sized["kv_vs_full"] == pytest.approx((100 + steps) / (400 + steps), abs=1e-3)
 
 
 def test_the_gpu_script_runs_on_the_cpu(tmp_path):
@@ -274,3 +287,14 @@ def test_between_evictions_a_step_costs_at_most_a_third_more_operations_than_the
     full = ops[("full", "-")]
     for method in ("d2o", "d2o-plus", "streamingllm"):
         assert ops[(method, 8)] <= 1.3 * full < ops[(method, 1)], ops
+    # The mean over 8 steps carries an eighth of the eviction's operations.
+    mean = {row["method"]: row["mean_ops_per_step"] for row in rows if row["evict_every"] == 8}
+    for method in ("d2o", "d2o-plus"):
+        assert mean[method] > ops[(method, 8)] + (ops[(method, 1)] - ops[(method, 8)]) / 8, (mean, ops)
+
+
+def test_time_per_step_is_a_median_over_windows_that_each_pay_an_eviction():
+    """Steps of 1 ms with an eviction of 9 ms every fourth: the median over single steps would say 1."""
+    assert window_means([1, 1, 1, 9] * 3, 4) == [3, 3, 3]
+    assert window_means([1, 1, 1, 9, 5], 4) == [3]  # a partial window is left out
+    assert window_means([2, 4], 4) == [3]  # fewer steps than a window: the run's mean

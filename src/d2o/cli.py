@@ -7,6 +7,7 @@ before any model loads; a ``D2OError`` becomes one line on stderr and exit code 
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -471,11 +472,15 @@ def bench_decode(
     batch: str = typer.Option("1", help="Comma-separated batch sizes."),
     min_tokens: Optional[int] = typer.Option(None, help=FLOOR_HELP),
     steps: int = typer.Option(32, help="Decode steps timed per run."),
-    repeats: int = typer.Option(1, help="Runs of --steps steps; the median step of all is reported."),
+    repeats: int = typer.Option(1, help="Runs of --steps steps. Reported: each run's mean step over windows of as "
+                                "many steps as the least common multiple of --evict-every (evictions included), "
+                                "the median over all windows."),
     evict_every: str = typer.Option("1", help="Comma-separated: evict in batches of k decode steps, each k a run "
                                     "(1: at every step, the committed tables; d2o generate and serve evict every 8)."),
     kv_bits: str = typer.Option("none", help="Comma-separated: store the compressed caches' keys and values at "
                                 "8, 4 or 2 bits, each a run (none: the model's dtype)."),
+    budget_sized_full: bool = typer.Option(False, help="Also the full cache over the prompt's last tokens, as many "
+                                           "as the budget keeps: the least a step costs with a cache of that size."),
     model: str = MODEL, shape: Optional[str] = SHAPE, positions: Optional[int] = POSITIONS,
     dtype: str = DTYPE, device: Optional[str] = DEVICE, out: Path = OUT,
 ):
@@ -495,11 +500,13 @@ def bench_decode(
     from d2o.bench.output import emit
 
     net, tokenizer = bench_model(model, shape, positions or max(sizes) + steps + 1, dtype, device, names, parsed)
-    rows = run(net, tokenizer, names, sizes, batches, parsed, steps, repeats, evict_every=every, kv_bits=widths)
+    rows = run(net, tokenizer, names, sizes, batches, parsed, steps, repeats, evict_every=every, kv_bits=widths,
+               budget_sized_full=budget_sized_full)
     setting = dict(model=shape or model, dtype=dtype, budget=str(parsed), min_tokens=parsed.min_tokens, steps=steps,
-                   repeats=repeats, evict_every=list(every), kv_bits=list(widths))
-    emit(rows, f"Decoding: {shape or model}, {dtype}, budget {parsed.described}, median step of {repeats} x {steps}",
-         "decode", out, setting)
+                   repeats=repeats, evict_every=list(every), kv_bits=list(widths), budget_sized_full=budget_sized_full)
+    window = math.lcm(*every)
+    emit(rows, f"Decoding: {shape or model}, {dtype}, budget {parsed.described}, {repeats} x {steps} steps, median of "
+         f"the mean step per {window} step{'s' * (window > 1)}", "decode", out, setting)
     plots.decode_plots(rows, out)
 
 

@@ -7,12 +7,16 @@ turn (the order reversed every step), so a drift in machine load hits every meth
 step; on a GPU, where timings are steady, each method's batch is built, decoded and freed before
 the next one's is built, so that the peak memory it reports is its own (what its run adds to the
 memory held before it: the weights and the prompt's prefills). The full cache is transformers' own
-``DynamicCache`` under its own SDPA attention: the baseline a user has without d2o."""
+``DynamicCache`` under its own SDPA attention: the baseline a user has without d2o. With
+``budget_sized_full`` the same cache also runs over the prompt's last tokens, as many as the
+budget keeps on average per layer: the least a step costs with a cache of that size, whatever
+compressed it (at batch 1 on a CPU, the model's weights bound a step whatever the cache)."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import statistics
 
 import torch
@@ -28,6 +32,8 @@ from d2o.runtime.prompts import check_length
 from d2o.runtime.sharing import SharedPrefill
 
 FULL = "full"
+BUDGET_SIZED_FULL = "full, budget-sized"  # the full cache of a prompt as short as what the budget keeps
+STOCK = (FULL, BUDGET_SIZED_FULL)
 
 
 def _start(model, cache, first: Batch, batch: int, steps: int) -> Batch:
@@ -38,7 +44,7 @@ def _start(model, cache, first: Batch, batch: int, steps: int) -> Batch:
 
 
 def _step(model, name: str, run: Batch) -> None:
-    with stock_attention(model) if name == FULL else contextlib.nullcontext():
+    with stock_attention(model) if name in STOCK else contextlib.nullcontext():
         run.step()
 
 
@@ -54,11 +60,12 @@ class _OperationCount(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def operations_per_step(model, name: str, run: Batch, evict_every: int = 1) -> int | None:
-    """The tensor operations of one of ``run``'s decode steps: the median over ``evict_every``
-    steps in a row, an eviction's among them (``evict_every`` 1: three steps), after the steps
-    that bring the cache to its steady width (the first may allocate what the others reuse); None
-    when ``run`` has too few steps left for that."""
+def operations_per_step(model, name: str, run: Batch, evict_every: int = 1) -> tuple[int, float] | None:
+    """The tensor operations of ``run``'s decode steps over ``evict_every`` steps in a row, an
+    eviction's among them (``evict_every`` 1: three steps), after the steps that bring the cache to
+    its steady width (the first may allocate what the others reuse): their median (a step between
+    evictions) and their mean (each step's share of an eviction included); None when ``run`` has
+    too few steps left for that."""
     for _ in range(evict_every):
         _step(model, name, run)
     steps = max(3, evict_every)
@@ -71,7 +78,18 @@ def operations_per_step(model, name: str, run: Batch, evict_every: int = 1) -> i
         if not run.sequences:  # it finished in that step, which then ran no forward pass
             return None
         counts.append(counter.operations)
-    return int(statistics.median(counts)) if len(counts) == steps else None
+    return (int(statistics.median(counts)), statistics.mean(counts)) if len(counts) == steps else None
+
+
+def window_means(step_seconds: list[float], window: int) -> list[float]:
+    """The mean step of each whole ``window`` of consecutive steps (the run's mean if it has none):
+    with a window a multiple of every eviction period, each window pays as many evictions, so a
+    median over windows is robust to a stray slow step yet counts what evictions cost (a median
+    over single steps would skip them)."""
+    whole = len(step_seconds) // window * window
+    if not whole:
+        return [statistics.mean(step_seconds)]
+    return [statistics.mean(step_seconds[start : start + window]) for start in range(0, whole, window)]
 
 
 def _decode_alone(model, name: str, run: Batch) -> Batch:
@@ -91,19 +109,23 @@ def _decode_in_turn(model, runs: dict[tuple[str, int], Batch]) -> None:
 
 def bench_decode(model, tokenizer, methods: list[str], lengths: list[int], batches: list[int], budget,
                  steps: int = 32, repeats: int = 1, alone: bool | None = None,
-                 evict_every: tuple[int, ...] = (1,), kv_bits: tuple[int | None, ...] = (None,)) -> list[dict]:
+                 evict_every: tuple[int, ...] = (1,), kv_bits: tuple[int | None, ...] = (None,),
+                 budget_sized_full: bool = False) -> list[dict]:
     """Per (length, batch, method): ms per decode step, tokens/s, KV bytes, the tensor operations of
     one decode step (counted apart from the timed runs; with ``steps`` >= 4), and each against the
     full cache measured in the same run. ``alone``: each method decodes alone, its peak memory
     measured (``peak_mib``; by default on a GPU), rather than in turn with the others.
     ``evict_every``, ``kv_bits``: each compressed method runs once per pair of values (``CompressedCache``'s;
-    ``kv_bits`` None: unquantized)."""
+    ``kv_bits`` None: unquantized). ``budget_sized_full``: also a row of the full cache over the
+    prompt's last ``budget.total(layers, length) / layers`` tokens (its KV and time against the full
+    cache's are the floor a compressed cache of that size can reach)."""
     policies = {name: get_method(name) for name in methods if name != FULL}
     for name, policy in policies.items():
         policy.check_budget(budget)
         if policy.repeats_kv_heads:
             raise D2OError(f"{name} stores KV heads per query head and cannot share a prefill: bench it with full only")
-    vocab = model.config.get_text_config().vocab_size
+    text_config = model.config.get_text_config()
+    vocab, n_layers = text_config.vocab_size, text_config.num_hidden_layers
     device = next(model.parameters()).device
     alone = device.type == "cuda" if alone is None else alone
     for n_tokens in lengths:  # every length before any is measured
@@ -111,24 +133,30 @@ def bench_decode(model, tokenizer, methods: list[str], lengths: list[int], batch
     rows = []
     for n_tokens in lengths:
         ids = prompt_ids(tokenizer, vocab, n_tokens)
+        stock_prompts = {FULL: ids}
+        if budget_sized_full:
+            stock_prompts[BUDGET_SIZED_FULL] = ids[-round(budget.total(n_layers, n_tokens) / n_layers):]
+        stock, stock_first = {}, {}
         with torch.inference_mode():
             with stock_attention(model):
-                stock = DynamicCache(config=model.config)
-                stock_first = Batch.prefill(model, stock, [ids], [Sequence(None, 1)])
+                for name, stock_ids in stock_prompts.items():
+                    stock[name] = DynamicCache(config=model.config)
+                    stock_first[name] = Batch.prefill(model, stock[name], [stock_ids], [Sequence(None, 1)])
             shared = SharedPrefill(model, list(policies.values()))
             first = Batch.prefill(model, shared.cache, [ids], [Sequence(None, 1)])
         names = list(policies)
-        variants = [(name, k, bits) for name in methods for k in ((1,) if name == FULL else evict_every)
-                    for bits in ((None,) if name == FULL else kv_bits)]
+        variants = [(name, k, bits) for name in [*methods, *list(stock_prompts)[1:]]
+                    for k in ((1,) if name in STOCK else evict_every) for bits in ((None,) if name in STOCK else kv_bits)]
 
         def start(variant: tuple[str, int, int | None], batch: int) -> Batch:
             name, k, bits = variant
-            if name == FULL:
+            if name in STOCK:
                 with stock_attention(model):
-                    return _start(model, copy.deepcopy(stock), stock_first, batch, steps)
+                    return _start(model, copy.deepcopy(stock[name]), stock_first[name], batch, steps)
             return _start(model, shared.fork(names.index(name), budget, evict_every=k, kv_bits=bits), first, batch,
                           steps)
 
+        window = math.lcm(*evict_every)
         for batch in batches:
             step_seconds, held, peak = {variant: [] for variant in variants}, {}, {}
             for _ in range(repeats):
@@ -138,14 +166,14 @@ def bench_decode(model, tokenizer, methods: list[str], lengths: list[int], batch
                                                  device)
                         peak[variant] = max(peak.get(variant, 0), most)
                         held[variant] = cache_bytes(run.cache)
-                        step_seconds[variant] += run.step_seconds
+                        step_seconds[variant] += window_means(run.step_seconds, window)
                         del run  # freed before the next method's run is measured
                 else:
                     runs = {variant: start(variant, batch) for variant in variants}
                     _decode_in_turn(model, runs)
                     for variant, run in runs.items():
                         held[variant] = cache_bytes(run.cache)
-                        step_seconds[variant] += run.step_seconds
+                        step_seconds[variant] += window_means(run.step_seconds, window)
                     del runs
             seconds = {variant: statistics.median(values) for variant, values in step_seconds.items()}
             operations = {variant: operations_per_step(model, variant[0], start(variant, batch), variant[1])
@@ -156,14 +184,16 @@ def bench_decode(model, tokenizer, methods: list[str], lengths: list[int], batch
                 row = {"length": n_tokens, "batch": batch, "method": name,
                        "budget": "-" if name == FULL else str(budget)}
                 if len(evict_every) > 1 or evict_every != (1,):
-                    row["evict_every"] = "-" if name == FULL else k
+                    row["evict_every"] = "-" if name in STOCK else k
                 if kv_bits != (None,):
                     row["kv_bits"] = bits or "-"
                 row |= {"ms_per_step": round(1000 * seconds[variant], 2),
                         "tokens_per_s": round(batch / seconds[variant], 1),
                         "kv_mib": round(held[variant] / 2**20, 3)}
                 if operations[variant] is not None:
-                    row["ops_per_step"] = operations[variant]
+                    row["ops_per_step"], mean_ops = operations[variant]
+                    if k > 1:
+                        row["mean_ops_per_step"] = round(mean_ops)
                 if variant in peak:
                     row["peak_mib"] = round(peak[variant] / 2**20, 1)
                 if full in seconds:
