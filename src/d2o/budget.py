@@ -13,8 +13,9 @@ UNLIMITED = -1  # a layer budget that never evicts (an exempt layer, or a budget
 MIN_TOKENS = 128
 # Decode steps between evictions when generating, answering a compressed context, serving and
 # benchmarking (a layer runs up to 7 tokens over its budget, then one pass brings it back): D2O's
-# step costs 0.97x the full cache's at 1K where evicting every step costs 1.1x, with the same answers
-# on the committed tasks (docs/benchmarks/README.md, docs/results/evict-every-8). `d2o eval` and a
+# step costs 1.00x the full cache's at 1K where evicting every step costs 1.11x, with the same answers
+# on the committed tasks (docs/benchmarks/README.md, docs/results/evict-every-8); 16 or 32 are 1-2%
+# faster and hold 8 or 24 slots more per layer. `d2o eval` and a
 # `CompressedCache` made by hand evict at every step, as the methods' papers do, unless told.
 EVICT_EVERY = 8
 MOST_TOKENS = 2**40  # above any model's positions; a larger count would overflow the totals' int64 arithmetic
