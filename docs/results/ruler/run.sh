@@ -9,8 +9,8 @@ OUT=${OUT:-docs/results/ruler}
 $D2O eval --task ruler --model gemma3-270m --task-option length=4096 --limit 4 --seed 0 \
   --methods full,d2o-plus-words,d2o-plus,d2o,snapkv,pyramidkv,h2o,expected-attention --budgets 0.25 \
   --out "$OUT/gemma3-4k-prompt"
-$D2O eval --task ruler --model gemma3-270m --task-option length=4096 --limit 1 --seed 0 --protocol context \
-  --methods full,d2o-novelty,d2o-plus,snapkv,expected-attention --budgets 0.25 --out "$OUT/gemma3-4k-context"
+$D2O eval --task ruler --model gemma3-270m --task-option length=4096 --limit 4 --seed 0 --protocol context \
+  --methods full,d2o-novelty,d2o-plus,snapkv,expected-attention,kvzip --budgets 0.25 --out "$OUT/gemma3-4k-context"
 $D2O eval --task ruler --task-option length=1024 --limit 5 --seed 0 \
   --methods full,d2o-plus-words,d2o-plus,d2o,snapkv,pyramidkv,h2o,expected-attention --budgets 0.1,0.25,0.5 \
   --out "$OUT/smollm2-1k-prompt"
