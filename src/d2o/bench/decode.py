@@ -146,7 +146,8 @@ def bench_decode(model, tokenizer, methods: list[str], lengths: list[int], batch
             first = Batch.prefill(model, shared.cache, [ids], [Sequence(None, 1)])
         names = list(policies)
         variants = [(name, k, bits) for name in [*methods, *list(stock_prompts)[1:]]
-                    for k in ((1,) if name in STOCK else evict_every) for bits in ((None,) if name in STOCK else kv_bits)]
+                    for k in ((1,) if name in STOCK else evict_every)
+                    for bits in ((None,) if name in STOCK else kv_bits)]
 
         def start(variant: tuple[str, int, int | None], batch: int) -> Batch:
             name, k, bits = variant
