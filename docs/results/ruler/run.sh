@@ -13,10 +13,10 @@ $D2O eval --task ruler --model gemma3-270m --task-option length=4096 --limit 4 -
   --methods full,d2o-novelty,d2o-plus,snapkv,expected-attention,kvzip --budgets 0.25 --out "$OUT/gemma3-4k-context"
 # The four tasks the full cache does on Gemma 3 (>= 0.3 above), at 10%, 25% and 50%.
 ANSWERED=niah_single_1,niah_single_2,niah_multikey_1,fwe
-$D2O eval --task ruler --model gemma3-270m --task-option length=4096 --task-option tasks=$ANSWERED --limit 8 \
+$D2O eval --task ruler --model gemma3-270m --task-option length=4096 --task-option tasks=$ANSWERED --limit 10 \
   --seed 0 --methods full,d2o-plus-words,d2o-plus,pyramidkv,snapkv --budgets 0.1,0.25,0.5 \
   --out "$OUT/gemma3-4k-budgets-prompt"
-$D2O eval --task ruler --model gemma3-270m --task-option length=4096 --task-option tasks=$ANSWERED --limit 8 \
+$D2O eval --task ruler --model gemma3-270m --task-option length=4096 --task-option tasks=$ANSWERED --limit 10 \
   --seed 0 --protocol context --methods full,d2o-novelty,d2o-plus,kvzip,snapkv --budgets 0.1,0.25,0.5 \
   --out "$OUT/gemma3-4k-budgets-context"
 $D2O eval --task ruler --task-option length=1024 --limit 5 --seed 0 \
