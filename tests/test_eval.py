@@ -89,6 +89,15 @@ def test_a_corrupt_config_is_named(tmp_path):
             check_folder(tmp_path, config, task)
 
 
+def test_list_options_take_a_python_list_a_tuple_a_text_or_one_value():
+    # A list from Python (lengths=[300, 500]) was refused as "lengths=[300, 500] must be a whole number".
+    for given in ([300, 500], (300, 500), "300,500"):
+        assert get_task("niah", lengths=given).lengths == (300, 500)
+    assert get_task("niah", lengths=300).lengths == (300,)
+    with pytest.raises(D2OError, match="option lengths='a' must be a whole number"):
+        get_task("niah", lengths=[300, "a"])
+
+
 def test_a_folder_from_before_a_task_option_existed_resumes_at_its_default(tmp_path):
     """A folder written before `needles` was a NIAH option records no `needles`: it ran one needle,
     the default, and resumes; another value is refused."""

@@ -108,8 +108,8 @@ def get_task(name: str, **options) -> Task:
 
 
 def _typed(task: str, key: str, value, default):
-    """A task option's value in the type of its default (one value where a list is expected is a
-    list of one); a value of another type is refused, naming the option. A text (``NAME=VALUE``
+    """A task option's value in the type of its default (a list or a tuple where a list is expected;
+    one value, a list of one); a value of another type is refused, naming the option. A text (``NAME=VALUE``
     from the command line) is read by the default: as it is for a text or a path (default a text
     or None), so commas and colons are part of it; else by ``parse_value`` (a list splits on ","
     or ":"). "none" is the default (None) for any but a text option."""
@@ -121,7 +121,7 @@ def _typed(task: str, key: str, value, default):
     if default is None and isinstance(value, os.PathLike):
         value = os.fspath(value)
     if isinstance(default, tuple):
-        values = value if isinstance(value, tuple) else (value,)
+        values = tuple(value) if isinstance(value, (tuple, list)) else (value,)
         return tuple(_typed(task, key, item, default[0]) if default else item for item in values)
     kind = str if default is None else type(default)  # None: a path
     fits = (isinstance(value, kind) and not (isinstance(value, bool) and kind is not bool)
