@@ -108,11 +108,11 @@ def get_task(name: str, **options) -> Task:
 
 
 def _typed(task: str, key: str, value, default):
-    """A task option's value in the type of its default (a list or a tuple where a list is expected;
-    one value, a list of one); a value of another type is refused, naming the option. A text (``NAME=VALUE``
-    from the command line) is read by the default: as it is for a text or a path (default a text
-    or None), so commas and colons are part of it; else by ``parse_value`` (a list splits on ","
-    or ":"). "none" is the default (None) for any but a text option."""
+    """A task option's value in the type of its default (a list or a tuple where a list is
+    expected; one value, a list of one); a value of another type is refused, naming the option. A
+    text (``NAME=VALUE`` from the command line) is read by the default: as it is for a text or a
+    path (default a text or None), so commas and colons are part of it; else by ``parse_value`` (a
+    list splits on "," or ":"). "none" is the default (None) for any but a text option."""
     if isinstance(value, str) and not isinstance(default, str):
         if value.lower() == "none":
             return None
