@@ -23,6 +23,10 @@ from transformers import (
 )
 
 import d2o
+from d2o.engine.api import LayerView
+from d2o.engine.slots import SlotTable
+from d2o.engine.storage import CompressedLayer
+from d2o.methods import REGISTRY
 
 # GQA everywhere: 4 query heads over 2 KV heads.
 SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -40,6 +44,14 @@ ARCHITECTURES = {
 }
 
 DENSE = [arch for arch in ARCHITECTURES if arch != "gemma3"]  # every layer attends to every token
+
+CHOSEN = [name for name, entry in REGISTRY.items() if not entry.ablation]  # the methods `d2o methods` lists
+ABLATIONS = [name for name, entry in REGISTRY.items() if entry.ablation]
+
+
+def chosen(**flags) -> list[str]:
+    """The methods `d2o methods` lists whose classes have these flags (``repeats_kv_heads=False``, ...)."""
+    return [name for name in CHOSEN if all(getattr(REGISTRY[name].cls, flag) == value for flag, value in flags.items())]
 
 
 def byte_tokenizer() -> PreTrainedTokenizerFast:
@@ -81,6 +93,25 @@ def make_cache(model, method, budget, min_tokens: int = 0, **options):
     """
     policy = d2o.get_method(method, **options) if isinstance(method, str) else method
     return d2o.CompressedCache(model, policy, d2o.Budget.parse(budget, min_tokens=min_tokens))
+
+
+def standalone_layer(keys, values):
+    """A layer of no cache holding ``keys`` and ``values`` (B, G, N, D), token i in slot i (a
+    method's part tested alone)."""
+    layer = CompressedLayer(cache=None, layer_idx=0)
+    layer.lazy_initialization(keys, values)
+    batch, heads, n, _ = keys.shape
+    layer.adopt(keys.clone(), values.clone(), SlotTable({}, torch.arange(n).expand(batch, heads, n).clone()))
+    return layer
+
+
+def merge_into(merge, layers, evicted) -> list[torch.Tensor]:
+    """``merge`` of ``evicted`` into ``layers`` as the cache runs it (its results written into the
+    layers); the (token, KV head) pairs merged per row of each layer."""
+    results = merge.merge([LayerView(layer, None) for layer in layers], evicted)
+    for layer, result in zip(layers, results):
+        layer.apply_merged(result)
+    return [result.count for result in results]
 
 
 def kept_tokens(layer, row: int) -> list[list[int]]:

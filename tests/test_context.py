@@ -13,6 +13,7 @@ from conftest import byte_tokenizer, tiny_model
 
 import d2o
 from d2o.engine.cache import CompressedCache
+from d2o.engine.schedule import Schedule
 from d2o.eval.runner import Run, Runner
 from d2o.eval.sweep import shared_contexts
 from d2o.eval.tasks import get_task
@@ -137,15 +138,16 @@ def test_the_evaluation_compresses_a_shared_context_once_and_answers_as_alone(mo
 
     samples = [Sample(i) for i in range(3)]
     compressions = []
-    original = CompressedCache.compress
+    original = Schedule.compress
 
-    def counted(cache):
-        if not cache.allocated and cache.forwards >= cache.policy.compress_after_forward \
+    def counted(schedule):
+        cache = schedule.cache
+        if not schedule.allocated and schedule.forwards >= cache.policy.compress_after_forward \
                 and not cache.budget.unlimited:
             compressions.append(cache.policy.name)
-        return original(cache)
+        return original(schedule)
 
-    monkeypatch.setattr(CompressedCache, "compress", counted)
+    monkeypatch.setattr(Schedule, "compress", counted)
     runner = Runner(model, tokenizer, methods)
     grouped = {(s.id, o.run.method): o.prediction
                for s, o in runner.answer(_Echo(), samples, ids, questions, [runs] * 3)}

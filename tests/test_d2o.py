@@ -10,21 +10,11 @@ from hypothesis import strategies as st
 import d2o
 from d2o import Budget, D2OError, get_method
 from d2o.engine.cache import CompressedCache
-from d2o.engine.storage import CompressedLayer
 from d2o.methods.allocation import InverseVariance, Pyramid, conserve, layer_density
 from d2o.methods.d2o import SimilarityMerge
 from d2o.methods.d2o.merging import MergeState
 
-from conftest import make_cache, random_ids, tiny_model
-
-
-def make_layer(keys, values):
-    layer = CompressedLayer(cache=None, layer_idx=0)
-    layer.lazy_initialization(keys, values)
-    layer.keys, layer.values = keys.clone(), values.clone()
-    batch, heads, n, _ = keys.shape
-    layer.token_index = torch.arange(n).expand(batch, heads, n).clone()
-    return layer
+from conftest import make_cache, merge_into, random_ids, standalone_layer as make_layer, tiny_model
 
 
 def merged_layer(merge, keys, values, keep, evict, tau=None):
@@ -35,7 +25,7 @@ def merged_layer(merge, keys, values, keep, evict, tau=None):
     valid = torch.ones(evict.shape[0], evict.shape[2], dtype=torch.bool)
     evicted = layer.evicted(evict, valid, vectors=merge.vectors)
     layer.keep(keep, torch.ones(keep.shape[0], keep.shape[2], dtype=torch.bool))
-    return layer, merge.merge([layer], [evicted])[0]
+    return layer, merge_into(merge, [layer], [evicted])[0]
 
 
 def reference_merge(keys, values, keep, evict, tau_previous=None, alpha=0.5):
@@ -214,7 +204,7 @@ def test_bad_method_options_name_the_parameter(build, parameter):
 def test_official_preset_follows_the_released_code():
     model = tiny_model("llama", num_hidden_layers=6)
     ids = random_ids(200)
-    cache = make_cache(model, "d2o", 0.2, parity="official")
+    cache = make_cache(model, "d2o-official", 0.2)
     reference = make_cache(model, "full", 1.0)
     with torch.inference_mode():
         first = model(input_ids=ids, cache=cache).logits
@@ -335,7 +325,8 @@ def test_the_mass_correction_reaches_the_model_through_sdpa_and_eager():
                 layer.keys[:, :, 7] = layer.keys[:, :, 6]
                 layer.values[:, :, 7] = layer.values[:, :, 6]
                 layer.token_index[:, :, 7] = -1
-                layer.weights()[:, :, 6] = math.log(2)
+                layer.slots.log_weight = layer.weights()
+                layer.slots.log_weight[:, :, 6] = math.log(2)
             for layer in whole.layers:
                 layer.keys[:, :, 7] = layer.keys[:, :, 6]
                 layer.values[:, :, 7] = layer.values[:, :, 6]
@@ -429,7 +420,7 @@ def test_attention_weighting_blends_by_the_attention_each_token_received(attenti
         merge = SimilarityMerge(values_only=True, mass=True, weighting="attention", attention=attention, blend=blend)
         evicted = layer.evicted(evict, torch.ones(1, 1, dtype=torch.bool), vectors=merge.vectors)
         layer.keep(keep, torch.ones(1, 7, dtype=torch.bool))
-        assert int(merge.merge([layer], [evicted])[0]) == 2
+        assert int(merge_into(merge, [layer], [evicted])[0]) == 2
         blended = (values[:, :, 2] + expected_weight * values[:, :, 3]) / (1 + expected_weight)
         if blend:
             torch.testing.assert_close(layer.values[:, :, 2], blended)
@@ -470,7 +461,7 @@ def test_attention_weighting_needs_the_state_it_reads():
     evicted = layer.evicted(torch.tensor([3]).expand(1, 2, 1), torch.ones(1, 1, dtype=torch.bool))
     layer.keep(torch.tensor([0, 1, 2, 5, 6, 7, 8]).expand(1, 2, 7), torch.ones(1, 7, dtype=torch.bool))
     with pytest.raises(D2OError, match="slot state 'votes'"):
-        SimilarityMerge(weighting="attention").merge([layer], [evicted])
+        merge_into(SimilarityMerge(weighting="attention"), [layer], [evicted])
 
 
 @pytest.mark.parametrize("merge", [
@@ -501,9 +492,9 @@ def test_layers_merged_in_one_call_equal_each_merged_alone(merge):
         return made
 
     together, alone = evicting_layers(), evicting_layers()
-    counts = merge.merge([layer for layer, _ in together], [gone for _, gone in together])
+    counts = merge_into(merge, [layer for layer, _ in together], [gone for _, gone in together])
     for (joint, _), (single, gone), count in zip(together, alone, counts):
-        assert torch.equal(merge.merge([single], [gone])[0], count)
+        assert torch.equal(merge_into(merge, [single], [gone])[0], count)
         assert torch.equal(joint.keys, single.keys) and torch.equal(joint.values, single.values)
         torch.testing.assert_close(joint.state.tau, single.state.tau, rtol=0, atol=0, equal_nan=True)
         assert torch.equal(joint.slot_state["merges"], single.slot_state["merges"])

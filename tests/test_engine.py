@@ -454,3 +454,15 @@ def test_a_decode_step_reads_the_device_a_fixed_number_of_times_whatever_the_lay
                     out = model(out.logits[:, -1:].argmax(-1), attention_mask=mask, cache=cache)
         counts.append(reads.count)
     assert counts[0] == counts[1]
+
+
+def test_an_attention_whose_cache_layer_took_no_keys_is_refused_in_that_pass():
+    """The hook binds a layer by its module's index: one whose update did not run (the model kept its
+    keys elsewhere) is an error at once, where attending without the cache would answer wrongly."""
+    model = tiny_model("llama")
+    cache = make_cache(model, "h2o", 0.5)
+    cache.layers[1].update = lambda keys, values, *args, **kwargs: (keys, values)  # returned, never stored
+    with pytest.raises(d2o.D2OError, match="layer 1 of a pass with a compressed cache, but that layer of the cache "
+                                           "took no keys"):
+        forward(model, random_ids(20), cache)
+    assert int(cache.layers[0].seen) == 20 and cache.layers[1].token_index is None

@@ -24,7 +24,7 @@ def decode(model, cache, prompt: int, steps: int, seed: int = 1):
 def test_a_layer_runs_over_its_budget_by_less_than_k_and_is_evicted_in_place(method):
     model, k = tiny_model("qwen2"), 4
     cache = make_cache(model, method, 0.25)
-    cache.evict_every = k
+    cache.schedule.evict_every = k
     over, storage = [], []
     for state in decode(model, cache, 100, 3 * k + 2):
         layers = [layer for layer in state.layers if layer.budget is not None]
@@ -92,17 +92,17 @@ def test_the_steps_that_skip_counting_and_votes_change_nothing(method):
     runs = []
     for skipping in (True, False):
         cache = make_cache(model, method, 0.25)
-        cache.evict_every = k
+        cache.schedule.evict_every = k
         tokens, evictions, quiet = [], [], []
         for state in decode(model, cache, 90, 3 * k + 1):
             layer = state.layers[1]
-            quiet.append(not state.may_evict_after(1))
+            quiet.append(not state.schedule.may_evict_after(1))
             tokens.append(int(layer.token_index.max()))
             if int(layer.n_kept[0]) == int(layer.budget[0]):  # just evicted
                 evictions.append((layer.token_index.sort(-1).values, layer.keys.sum(), {
                     name: value.sum() for name, value in layer.slot_state.items()}))
             if not skipping:
-                state._quiet = -1  # count, and vote, at the next step
+                state.schedule.quiet = -1  # count, and vote, at the next step
         runs.append((evictions, quiet))
     (evicted, quiet), (evicted_always, _) = runs
     assert sum(quiet) >= 2 * (k - 2)  # most steps skip
@@ -121,7 +121,7 @@ def test_the_logit_bias_kept_in_place_is_the_one_made_afresh(method, k):
     vacancies fill, equals the one made from the slots at every step."""
     model = tiny_model("qwen3")
     cache = make_cache(model, method, 0.3)
-    cache.evict_every = k
+    cache.schedule.evict_every = k
     checked = 0
     for state in decode(model, cache, 80, 10):
         for layer in state.layers:
@@ -139,7 +139,7 @@ def test_chunks_fed_after_compression_are_evicted_back_to_budget_plus_k_not_left
     back to its budget with k empty slots: its width stays budget + k however many chunks come."""
     model, k = tiny_model("llama"), 8
     cache = make_cache(model, "d2o", 0.25)
-    cache.evict_every = k
+    cache.schedule.evict_every = k
     with torch.inference_mode():
         model(input_ids=random_ids(96, seed=3), cache=cache)
         for chunk in range(6):
@@ -147,3 +147,4 @@ def test_chunks_fed_after_compression_are_evicted_back_to_budget_plus_k_not_left
             for layer in cache.layers:
                 assert int(layer.n_kept[0]) == int(layer.budget[0])
                 assert layer.keys.shape[2] == int(layer.budget[0]) + k
+

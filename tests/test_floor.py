@@ -5,11 +5,7 @@ import torch
 
 from d2o import Budget, D2OError, get_method
 from d2o.budget import MIN_TOKENS
-from d2o.methods import REGISTRY
-
-from conftest import greedy, make_cache, random_ids, tiny_model
-
-METHODS = list(REGISTRY)
+from conftest import CHOSEN as METHODS, greedy, make_cache, random_ids, tiny_model
 
 
 @pytest.mark.parametrize("name", METHODS)
@@ -22,8 +18,8 @@ def test_a_short_prompt_at_the_default_budget_answers_as_the_full_cache(name):
     assert greedy(model, prompt, cache, steps=steps).tolist() == full.tolist()
     report = cache.report()
     assert report.kv_tokens_kept == report.kv_tokens_full  # nothing was evicted
-    if name != "full":
-        assert report.min_tokens == MIN_TOKENS and (name == "d2o-official" or report.floor_layers == 4)
+    if not cache.policy.keeps_everything:  # the floor set every layer's budget but those exempt
+        assert report.min_tokens == MIN_TOKENS and report.floor_layers == 4 - len(cache.policy.exempt_of(4))
 
 
 def test_a_row_below_the_floor_grows_to_it_then_holds_it():

@@ -5,13 +5,13 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from d2o import Budget
-from d2o.methods import REGISTRY
-
-from conftest import assert_fed_at_once_as_one_by_one, greedy, kept_tokens, left_pad, make_cache, random_ids, tiny_model
+from d2o import Budget, get_method
+from conftest import (CHOSEN, assert_fed_at_once_as_one_by_one, greedy, kept_tokens, left_pad, make_cache, random_ids,
+                      tiny_model)
 
 WINDOW, SLIDING, GLOBAL = 16, [0, 2], [1, 3]
-METHODS = [name for name in REGISTRY if name != "d2o-official"]  # the parity preset is for dense Llamas
+# A method that exempts layers by default (d2o-official: 0, 1 and the last) would exempt both global ones.
+METHODS = [name for name in CHOSEN if not get_method(name).exempt_layers]
 
 
 def forward(model, ids, cache):

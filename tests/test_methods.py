@@ -16,11 +16,12 @@ from d2o.methods import scoring
 from d2o.methods.base import HeavyRecent
 from d2o.methods.snapkv import SnapKV
 
-from conftest import byte_tokenizer, greedy, left_pad, make_cache, random_ids, tiny_model
+from conftest import ABLATIONS, CHOSEN, byte_tokenizer, greedy, left_pad, make_cache, random_ids, tiny_model
 
-METHODS = list(REGISTRY)
+METHODS = CHOSEN
 # Methods whose total after the prefill is not held to round(L * rho * S).
-UNCONSERVED = {"full", "d2o-official"}
+UNCONSERVED = {name for name in CHOSEN
+               if REGISTRY[name].cls.keeps_everything or not REGISTRY[name].cls.conserves_budget}
 STEPS = 40
 
 
@@ -88,10 +89,8 @@ def test_after_prefill_every_method_holds_the_same_total(name, arch):
     with torch.inference_mode():
         model(input_ids=random_ids(150), cache=cache)
     lengths = [layer.keys.shape[2] for layer in cache.layers]
-    if name == "full":
+    if cache.policy.keeps_everything or cache.policy.compress_after_forward > 1:  # the latter at the first decode step
         assert lengths == [150] * 4
-    elif name == "d2o-official":
-        assert lengths == [150] * 4  # it compresses at the first decode step
     else:
         assert sum(lengths) == round(4 * 0.3 * 150)
         assert lengths == [int(layer.budget) for layer in cache.layers]
@@ -211,9 +210,8 @@ def test_snapkv_pools_the_prefix_alone():
     window = torch.zeros(1, 1, 1, 4, 12)  # 4 queries over 12 slots, the last 4 their own tokens
     window[..., 8:] = 1.0
     window[..., 2] = 0.5
-    layer = SimpleNamespace(slot_state={})
-    get_method("snapkv", window=4).observe(layer, AttentionStats(4, window=window))
-    assert layer.slot_state["votes"][0, 0, :8].tolist() == [2.0] * 6 + [0.0, 0.0]
+    observed = get_method("snapkv", window=4).observe(SimpleNamespace(slot_state={}), AttentionStats(4, window=window))
+    assert observed.slot_state["votes"][0, 0, :8].tolist() == [2.0] * 6 + [0.0, 0.0]
 
 
 def reference_spread(values, before, after):
@@ -406,7 +404,7 @@ def test_cam_merges_by_the_current_querys_look_into_the_next_span(look, merged):
     """Token 3 leaves a layer holding tokens 0-9; the current query looks at the two kept tokens
     after it (span 2) with 0.2 each and at it with ``look``: p = look / 0.2, clamped (here 1 or 0).
     Merged, each of the two receives value / span."""
-    from d2o.engine.policy import Evicted
+    from d2o.engine.api import Evicted
     from d2o.methods.cam import LAST_LOOK, ProminenceMerge
 
     kept = torch.tensor([0, 1, 2, 4, 5, 6, 7, 8, 9])
@@ -417,10 +415,12 @@ def test_cam_merges_by_the_current_querys_look_into_the_next_span(look, merged):
     gone = Evicted(keys=torch.zeros(1, 1, 1, 2), values=torch.tensor([[[[4.0, -2.0]]]]),
                    token_index=torch.tensor([[[3]]]), valid=torch.ones(1, 1, dtype=torch.bool),
                    slot_state={LAST_LOOK: torch.full((1, 1, 1), look)})
-    assert ProminenceMerge(span=2).merge([layer], [gone])[0].tolist() == [merged]
+    result = ProminenceMerge(span=2).merge([layer], [gone])[0]
+    assert result.count.tolist() == [merged]
     expected = torch.zeros(9, 2)
     expected[3:5] = torch.tensor([2.0, -1.0]) * merged  # tokens 4 and 5, slots 3 and 4
-    assert torch.equal(values[0, 0], expected)
+    assert torch.equal(result.values[0, 0], expected) and torch.equal(values, torch.zeros(1, 1, 9, 2))
+    assert result.changed[0, 0].tolist() == [i in (3, 4) and bool(merged) for i in range(9)]
 
 
 @pytest.mark.parametrize("name, options, budget, parameter", [
@@ -433,7 +433,7 @@ def test_cam_merges_by_the_current_querys_look_into_the_next_span(look, merged):
     ("h2o", {"split": (1, 2, 3)}, 0.3, "split"),
     ("streamingllm", {"n_sinks": 40}, 0.2, "40 sinks"),
     ("tova", {"window": 3}, 0.3, "options: "),
-    ("d2o", {"parity": "paper"}, 0.3, "parity='paper'"),
+    ("d2o", {"parity": "official"}, 0.3, "bad option for method 'd2o'"),
     ("d2o-plus", {"scoring.span": (3, -1)}, 0.3, "span=\\(3, -1\\)"),
     ("d2o-plus", {"scoring.surprisal_span": 4}, 0.3, "surprisal_span=4"),
     ("d2o-plus", {"scoring.votes": "mean"}, 0.3, "votes='mean'"),
@@ -461,6 +461,18 @@ def test_out_of_range_method_options_name_the_parameter(name, options, budget, p
         with torch.inference_mode():
             model(input_ids=random_ids(150), cache=cache)
             model(input_ids=random_ids(1), cache=cache)  # d2o-official allocates at its first decode step
+
+
+@pytest.mark.parametrize("name", ABLATIONS)
+def test_every_ablation_is_its_method_with_other_parts_and_holds_the_budget(name):
+    entry = REGISTRY[name]
+    model = tiny_model("llama")
+    cache = make_cache(model, name, 0.3)
+    greedy(model, random_ids(150), cache, steps=12)
+    assert type(cache.policy) is REGISTRY[entry.base].cls and cache.policy != get_method(entry.base)
+    budgets = [int(layer.budget[0]) for layer in cache.layers]
+    assert sum(budgets) == round(4 * 0.3 * 150)
+    assert [int(layer.n_kept[0]) for layer in cache.layers] == budgets  # each step evicts what it adds
 
 
 def test_the_catalogue_lists_the_methods_to_choose_and_the_ablations_on_request():

@@ -2,12 +2,12 @@
 
 import pytest
 import torch
-from conftest import greedy, left_pad, random_ids, tiny_model
+from conftest import CHOSEN, greedy, left_pad, random_ids, tiny_model
 
 import d2o
 from d2o import D2OError
+from d2o.engine.api import Merged
 from d2o.engine.quantization import KVQuantization
-from d2o.methods import REGISTRY
 from d2o.runtime.decoding import Batch, Sequence
 from d2o.runtime.memory import padded_bytes, peak_slots, plan, row_bytes, slot_bytes
 
@@ -65,24 +65,28 @@ def test_the_residual_is_read_in_full_precision_and_the_rest_within_half_a_step(
         assert mine._open is None  # nothing in full precision is kept between passes but the residual
 
 
-def test_a_layer_settles_by_encoding_again_only_the_slots_a_method_changed():
+def test_a_merge_result_is_encoded_again_in_the_slots_it_changed_alone():
     model = tiny_model()
     cache = cache_of(model, "full", 1.0, 4)
     with torch.inference_mode():
         model(input_ids=random_ids(20), cache=cache)
     layer = cache.layers[1]
-    before = {part: tensor.clone() for part, tensor in layer._packed.items()}
-    values = layer.values  # handed out, as to a merge: it may be written
-    values[0, 1, 3, 0] += 1.0
+    before = {part: tensor.clone() for part, tensor in layer.slots.vectors.items()}
+    values = layer.values.clone()
+    slots = torch.tensor([3, 5]).view(1, 1, 2).expand(1, 2, 2)  # slots 3 and 5 of both KV heads
+    new = values.gather(2, slots[..., None].expand(-1, -1, -1, 16)).clone()
+    new[0, 1, 0, 0] += 1.0  # slot 3 of head 1 changes; the others are given as they were
+    with torch.inference_mode():  # as the cache compresses: in the mode its tensors were made in
+        layer.apply_merged(Merged(torch.zeros(1, dtype=torch.long), slots=slots, values=new))
     layer.settle()
-    changed = sum((layer._packed[part] != tensor).any(-1).int() for part, tensor in before.items())  # (B, G, N, 2)
-    expected = torch.zeros_like(changed)
+    changed = sum((layer.slots.vectors[part] != tensor).any(-1).int() for part, tensor in before.items())
+    expected = torch.zeros_like(changed)  # (B, G, N, 2)
     expected[0, 1, 3, 1] = 1  # the value of slot 3 in head 1; its key's bytes encode again as they were
     assert torch.equal(changed.clamp_max(1), expected)
-    assert float(layer.attended()[1][0, 1, 3, 0] - values[0, 1, 3, 0]).__abs__() < 0.1
+    assert float(layer.attended()[1][0, 1, 3, 0] - values[0, 1, 3, 0] - 1.0).__abs__() < 0.1
 
 
-@pytest.mark.parametrize("name", list(REGISTRY))
+@pytest.mark.parametrize("name", CHOSEN)
 def test_every_method_runs_on_a_quantized_cache_batched_as_alone_with_exact_lengths(name):
     model = tiny_model(dtype=torch.float64)
     prompts = [random_ids(n, seed=n)[0] for n in (100, 80)]  # budgets above SnapKV's window
@@ -95,7 +99,7 @@ def test_every_method_runs_on_a_quantized_cache_batched_as_alone_with_exact_leng
         assert batched[row].tolist() == alone[0].tolist()
         for mine, theirs in zip(batch_cache.layers, cache.layers):
             assert int(mine.n_kept[row]) == int(theirs.n_kept[0])
-            assert theirs._packed["data"].shape[2] == theirs.token_index.shape[2]  # stored as held
+            assert theirs.slots.vectors["data"].shape[2] == theirs.token_index.shape[2]  # stored as held
     report = batch_cache.report()
     assert report.kv_bytes == sum(report.kv_parts.values()) == sum(layer.nbytes for layer in batch_cache.layers)
 
@@ -198,7 +202,8 @@ def test_every_stored_token_is_the_encoding_of_its_exact_vectors_however_late_it
         held = index >= 0
         picked = exact.gather(2, index.clamp_min(0)[..., None, None].expand(*index.shape, 2, 16))
         expected = KVQuantization(bits=4).encode(picked)
-        stored = layer._stored()
+        layer._write_out()  # the bytes it deferred
+        stored = layer.slots.vectors
         assert int(held.sum()) == 2 * int(layer.budget[0]) == 2 * 20
         assert all(torch.equal(stored[part][held], expected[part][held]) for part in expected)
         assert layer.token_index.shape[2] == 21  # the budget + the slot the next token is written into

@@ -170,4 +170,4 @@ def test_expected_attention_scores_follow_its_formula(arch):
         logits = keys @ mean[..., None]
         logits = logits[..., 0] + 0.5 * torch.einsum("hnd,hde,hne->hn", keys, covariance, keys)
         expected = torch.softmax(logits, -1).view(2, 2, -1).mean(1) * layer.values[0, :, 4:].double().norm(dim=-1)
-        torch.testing.assert_close(method.score(layer)[0, :, 4:], expected.float(), atol=1e-7, rtol=1e-5)
+        torch.testing.assert_close(method.score(layer.view)[0, :, 4:], expected.float(), atol=1e-7, rtol=1e-5)

@@ -5,11 +5,9 @@ import torch
 
 from d2o import Budget, D2OError, get_method
 from d2o.runtime.sharing import SharedPrefill
-from d2o.methods import REGISTRY
+from conftest import chosen, make_cache, random_ids, tiny_model
 
-from conftest import make_cache, random_ids, tiny_model
-
-SHAREABLE = [name for name in REGISTRY if not REGISTRY[name].cls.repeats_kv_heads]
+SHAREABLE = chosen(repeats_kv_heads=False)
 
 
 def decode(model, cache, logits, steps=12):

@@ -108,17 +108,18 @@ def _prefill_measured(model, cache: CompressedCache, prompt: list[int], generate
     """One row prefilled as a server prefills it (compressed at the end of its pass), and the bytes
     its cache held just before the compression: its whole prompt. (Under ``hold`` every layer would
     keep its window's attention rows until the block ended, memory no prefill holds otherwise.)"""
-    compress, whole = cache.compress, []
+    schedule = cache.schedule
+    compress, whole = schedule.compress, []
 
     def measured() -> None:
         whole.append(cache.nbytes)
         compress()
 
-    cache.compress = measured
+    schedule.compress = measured
     try:
         one = Batch.prefill(model, cache, [prompt], [Sequence(None, generate)])
     finally:
-        del cache.compress
+        del schedule.compress
     return one, whole[0]
 
 

@@ -13,8 +13,10 @@ from transformers import DynamicCache
 from d2o.bench import WARM_UP_TOKENS
 from d2o.bench.memory import measure_peak
 from d2o.bench.models import prompt_ids, stock_attention
-from d2o.engine.cache import CompressedCache, head_dim
-from d2o.engine.stats import StatsRequest, attention_stats
+from d2o.engine.cache import CompressedCache
+from d2o.engine.model_facts import head_dim
+from d2o.engine.api import StatsRequest
+from d2o.engine.stats import attention_stats
 from d2o.methods import get_method
 from d2o.runtime.prompts import check_length
 

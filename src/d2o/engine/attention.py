@@ -9,10 +9,16 @@ block over the new tokens. The output comes from transformers' own SDPA (or eage
 without compression the logits are those of the stock model. Statistics the policy asks for are
 computed exactly in query chunks (see ``stats``), and after the decoder's last layer the cache
 compresses (a forward hook on the decoder).
+
+transformers does not hand the cache to the attention function: a hook before the decoder's
+forward binds the pass's cache (per thread), and the function takes the layer of that cache with
+its module's ``layer_idx``, the layer whose ``update`` just stored this pass's keys. A layer that
+took no keys in this pass is an error at once, never a silent stock attention.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import replace
 
 import torch
@@ -22,9 +28,10 @@ from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_f
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
+from d2o.engine.api import AttentionStats, StatsRequest, as_dtype
 from d2o.engine.cache import CompressedCache
-from d2o.engine.stats import AttentionStats, StatsRequest, allowed_keys, as_dtype, attention_stats
-from d2o.engine.storage import HOOK_PREFIX, claim_active_layer
+from d2o.engine.stats import allowed_keys, attention_stats
+from d2o.engine.storage import HOOK_PREFIX
 from d2o.errors import D2OError
 
 # Model families whose attention calls `cache.update` then the registered attention function on
@@ -34,6 +41,26 @@ NO_STATISTICS = StatsRequest()
 ATTENTION_NAMES = {backend: HOOK_PREFIX + backend for backend in ("sdpa", "eager")}
 HOOK_ATTRIBUTE = "_d2o_end_of_forward"  # on the decoder: the handle of the forward hook
 STOCK_ATTRIBUTE = "_d2o_stock_attention"  # on the model: the implementation install replaced
+# Per thread, the d2o cache of each decoder pass running now (None: another cache, or none), the
+# innermost last (a probe pass runs inside the pass that compresses).
+_passes = threading.local()
+
+
+def _bound_layer(module):
+    """The layer of the bound pass's d2o cache that ``module`` (an attention module) attends with,
+    or None when the pass has no d2o cache."""
+    stack = getattr(_passes, "caches", None)
+    cache = stack[-1] if stack else None
+    if cache is None:
+        return None
+    index = getattr(module, "layer_idx", None)
+    layer = cache.layers[index] if isinstance(index, int) and 0 <= index < len(cache.layers) else None
+    if layer is None or not layer.pending:
+        raise D2OError(f"d2o's attention ran for layer {index} of a pass with a compressed cache, but that layer of "
+                       f"the cache took no keys in this pass (its update did not run): the model's attention does "
+                       f"not store its keys through the cache, which d2o needs (supported: "
+                       f"{', '.join(SUPPORTED_FAMILIES)})")
+    return layer
 
 
 def _padding_mask(attention_mask=None, **_) -> torch.Tensor | None:
@@ -45,7 +72,7 @@ def _padding_mask(attention_mask=None, **_) -> torch.Tensor | None:
 
 def _make_attention(backend: str):
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-        layer = claim_active_layer(key)
+        layer = _bound_layer(module)
         try:
             return attend(layer, module, query, key, value, attention_mask, dropout, scaling, **kwargs)
         finally:
@@ -64,7 +91,7 @@ def _make_attention(backend: str):
         if layer is not None:
             layer.admit(new_valid)
             if layer.observing:
-                request = layer.cache.policy.stats_request(layer, n_query)
+                request = layer.cache.policy.stats_request(layer.view, n_query)
             if layer.observing and n_query == 1 and window is None and (request is None or request.visible is None):
                 # A decode step of a layer that evicts: one product with the keys plus the layer's logit bias
                 # (no mask to build, nothing to ask the device); its probabilities give the statistics.
@@ -137,20 +164,21 @@ def _with_queries(stats: AttentionStats, request: StatsRequest, layer, query, sc
 
 
 def _observe(layer, request: StatsRequest, stats: AttentionStats) -> None:
-    """Hand a pass's statistics to the policy. While the cache is held (a prompt prefilled in
-    chunks, to be scored as a whole), the window rows of the earlier passes go with this pass's:
-    the window is the last ``request.window`` queries of the prompt, however it was chunked."""
+    """Hand a pass's statistics to the policy and write what it makes of them. While the cache is
+    held (a prompt prefilled in chunks, to be scored as a whole), the window rows of the earlier
+    passes go with this pass's: the window is the last ``request.window`` queries of the prompt,
+    however it was chunked."""
     if not layer.cache.held or stats.window is None:
-        layer.held_window = None
+        layer.carried_window = None
     else:
-        earlier = layer.held_window
+        earlier = layer.carried_window
         if earlier is not None and earlier.shape[:3] == stats.window.shape[:3]:
             # Slots added since take no attention from the earlier queries (nothing is evicted while held).
             earlier = F.pad(earlier, (0, stats.window.shape[-1] - earlier.shape[-1]))
             rows = torch.cat([earlier, stats.window], dim=3)[:, :, :, -request.window :]
             stats = replace(stats, window=rows)
-        layer.held_window = stats.window
-    layer.cache.policy.observe(layer, stats)
+        layer.carried_window = stats.window
+    layer.apply_observed(layer.cache.policy.observe(layer.view, stats))
 
 
 def _work_dtype(query: torch.Tensor) -> torch.dtype:
@@ -266,7 +294,8 @@ def uninstall(model) -> None:
 def _install_hooks(decoder, lm_head) -> tuple:
     """Forward hooks on the decoder and the output embeddings; returns their handles.
 
-    After every pass of the decoder a d2o cache sees the tokens and compresses. Compressing there,
+    Before every pass of the decoder its cache is bound (``_bound_layer``), and unbound after it,
+    whatever happens. After every pass of the decoder a d2o cache sees the tokens and compresses. Compressing there,
     after the final norm, rather than in the last layer, lets policies score tokens by what the
     model predicted (token surprisal) as well as by attention. The next token's surprisal needs
     the logits of this pass's last position: the model computes them right after, so the hook on
@@ -274,14 +303,23 @@ def _install_hooks(decoder, lm_head) -> tuple:
     """
     awaiting_logits: list[CompressedCache] = []  # the cache of the pass whose logits come next
 
+    def bind(module, args, kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if not hasattr(_passes, "caches"):
+            _passes.caches = []
+        _passes.caches.append(cache if isinstance(cache, CompressedCache) else None)
+
+    def unbind(module, args, output):
+        _passes.caches.pop()
+
     def end_of_decoder(module, args, kwargs, output):
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        if isinstance(cache, CompressedCache) and cache.probing is not None:
+        if isinstance(cache, CompressedCache) and cache.prober.probing is not None:
             return  # a probe pass, run from the cache's own compression: observed, never kept
         awaiting_logits.clear()
         if isinstance(cache, CompressedCache):
             input_ids = kwargs.get("input_ids", args[0] if args else None)
-            if cache.policy.probes and not cache.allocated:
+            if cache.policy.probes and not cache.schedule.allocated:
                 if input_ids is None:
                     raise D2OError(f"{cache.policy.name} probes the model with the prompt's tokens: give input_ids, "
                                    f"not embeddings")
@@ -300,5 +338,7 @@ def _install_hooks(decoder, lm_head) -> tuple:
         if awaiting_logits:
             awaiting_logits.pop().observe_logits(args[0][:, -1], output[:, -1])
 
-    handles = (decoder.register_forward_hook(end_of_decoder, with_kwargs=True),)
+    handles = (decoder.register_forward_pre_hook(bind, with_kwargs=True),
+               decoder.register_forward_hook(end_of_decoder, with_kwargs=True),
+               decoder.register_forward_hook(unbind, always_call=True))
     return handles if lm_head is None else (*handles, lm_head.register_forward_hook(logits))

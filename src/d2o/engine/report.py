@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from d2o.budget import UNLIMITED
+
 
 @dataclass
 class LayerReport:
@@ -158,3 +160,40 @@ def _brief(value) -> str:
         shown = " ".join(_brief(v) for v in value[:3])
         return shown + (" ..." if len(value) > 3 else "")
     return f"{value:.3f}" if isinstance(value, float) else str(value)
+
+
+def report_of(cache, rows: list[int] | None = None) -> CacheReport:
+    """What ``cache``'s layers hold, for ``rows`` of the batch (all of them by default); a row's
+    bytes are its share of the layer's tensors."""
+    layers = []
+    for layer in cache.layers:
+        if not layer.is_initialized:
+            continue
+        batch = layer.token_index.shape[0]
+        picked = list(range(batch)) if rows is None else list(rows)
+
+        def pick(values: list) -> list:
+            return [values[row] for row in picked]
+
+        # What a plain cache would hold: the model's own KV heads, never repeated.
+        heads = cache.facts.config.num_key_value_heads
+        bytes_per_token = heads * (layer.key_dim + layer.value_dim) * layer.dtype.itemsize
+        budget = [None] * batch if layer.budget is None else [
+            None if b == UNLIMITED else b for b in cache.schedule.limit(layer.budget, layer.real_seen).tolist()]
+        # What the stock cache holds: every fed token (padding included), or its window.
+        full, stock = layer.real_seen, layer.seen
+        if layer.window is not None:
+            full, stock = full.clamp_max(layer.window - 1), min(stock, layer.window - 1)
+        layers.append(LayerReport(
+            layer=layer.layer_idx, window=layer.window, budget=pick(budget), kept=pick(layer.n_kept.tolist()),
+            full=pick(full.tolist()), merged=pick(layer.merged.tolist()),
+            floor=pick(cache.schedule.floor_decides(layer).tolist()),
+            kv_bytes=layer.nbytes * len(picked) // batch, state_bytes=layer.state_nbytes * len(picked) // batch,
+            kv_bytes_full=stock * len(picked) * bytes_per_token,
+            method={name: pick(values) for name, values in cache.policy.report(layer.view).items()},
+            kv_parts={name: count * len(picked) // batch for name, count in layer.nbytes_parts.items()},
+        ))
+    held = not cache.policy.keeps_everything
+    return CacheReport(method=cache.policy.name, budget=str(cache.budget) if held else None,
+                       min_tokens=cache.budget.min_tokens if held and cache.budget.ratio is not None else None,
+                       layers=layers)

@@ -77,29 +77,29 @@ def select_evicted(
     return slots, evict_valid
 
 
-def row_offsets(batch: int, heads: int, n_slots: int, device) -> torch.Tensor:
-    """(B, G, 1): where each row and KV head of a (B, G, ``n_slots``, ...) tensor starts in its
+def flat_offsets(batch: int, heads: int, n_slots: int, device) -> torch.Tensor:
+    """(B, G, 1): where each row and KV head of a (B, G, ``n_slots``, ...) tensor starts in its flat
     (B * G * n_slots, ...) view."""
     return torch.arange(batch * heads, device=device).view(batch, heads, 1) * n_slots
 
 
-def slot_rows(slots: torch.Tensor, n_slots: int) -> torch.Tensor:
-    """The slots (B, G, K) of a (B, G, ``n_slots``, ...) tensor as rows of its (B * G * n_slots, ...)
-    view: one index for every tensor of a layer (keys, values, each slot state)."""
-    return (slots + row_offsets(*slots.shape[:2], n_slots, slots.device)).flatten()
+def flat_slots(slots: torch.Tensor, n_slots: int) -> torch.Tensor:
+    """The slots (B, G, K) of a (B, G, ``n_slots``, ...) tensor as indices into its flat
+    (B * G * n_slots, ...) view: one index for every field of a layer's slot table."""
+    return (slots + flat_offsets(*slots.shape[:2], n_slots, slots.device)).flatten()
 
 
-def take_rows(tensor: torch.Tensor, rows: torch.Tensor, slots_shape: torch.Size) -> torch.Tensor:
-    """``tensor`` (B, G, N, ...) at the ``slot_rows`` ``rows``: a copy (B, G, K, ...)."""
+def take_flat(tensor: torch.Tensor, index: torch.Tensor, slots_shape: torch.Size) -> torch.Tensor:
+    """``tensor`` (B, G, N, ...) at the ``flat_slots`` ``index``: a copy (B, G, K, ...)."""
     batch, heads, n_slots = tensor.shape[:3]
-    picked = tensor.reshape(batch * heads * n_slots, -1).index_select(0, rows)
+    picked = tensor.reshape(batch * heads * n_slots, -1).index_select(0, index)
     return picked.view(*slots_shape, *tensor.shape[3:])
 
 
 def take_slots(tensor: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """``tensor`` (B, G, N, ...) at ``slots`` (B, G, K) per row and head: a copy (B, G, K, ...).
 
-    One ``index_select`` over flattened (row, head, slot) rows copies each slot's trailing
-    values as a block; ``gather`` would need an index as large as the result.
+    One ``index_select`` over the flat (row, head, slot) view copies each slot's trailing values as
+    a block; ``gather`` would need an index as large as the result.
     """
-    return take_rows(tensor, slot_rows(slots, tensor.shape[2]), slots.shape)
+    return take_flat(tensor, flat_slots(slots, tensor.shape[2]), slots.shape)

@@ -9,61 +9,12 @@ linear in the sequence length.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
+
+from d2o.engine.api import AttentionStats, StatsRequest
 
 # Scores held at once by one chunk (float32 elements): 8 MB, small enough to stay in cache.
 CHUNK_ELEMENTS = 1 << 21
-
-
-def as_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``tensor.to(dtype)`` without the call when it has that dtype already: a decode step makes
-    a few hundred of these conversions, nearly all of them no-ops."""
-    return tensor if tensor.dtype == dtype else tensor.to(dtype)
-
-
-@dataclass(frozen=True)
-class StatsRequest:
-    """What a method needs from one forward pass of one layer.
-
-    ``visible`` (B, G, N) bool, if given, restricts the softmax of the statistics (not of the
-    output) to those slots and the pass's own tokens: KVzip scores each reconstructed chunk of a
-    context against that chunk alone.
-    """
-
-    column_mass: bool = False  # attention each slot received, summed over this pass's real queries
-    window: int = 0  # attention rows of the last `window` queries
-    column_max: bool = False  # the largest attention any of this pass's real queries paid each slot
-    queries: bool = False  # this pass's queries as the attention saw them (after RoPE), and their tokens
-    visible: torch.Tensor | None = None
-
-    @property
-    def columns(self) -> bool:
-        """True when every query row's probabilities are needed (column mass or maximum)."""
-        return self.column_mass or self.column_max
-
-
-@dataclass
-class AttentionStats:
-    """Statistics of one forward pass of one layer, per query head grouped by KV head.
-
-    ``n_query``: the queries of the pass. ``column_mass``, ``column_max``: (B, G, group, N)
-    float32, or None. ``window``: (B, G, group, w, N) float32 (the rows of the last w queries;
-    rows of padding queries are zero), or None. ``output``: (B, H, q, D), the attention's output,
-    when the values were given (the statistics then computed it from the same probabilities).
-    ``queries`` (B, H, q, D): the pass's queries after RoPE, unscaled; ``query_index`` (B, q) the
-    token index of each (-1: padding); ``scaling``: the factor of the attention's logits.
-    """
-
-    n_query: int
-    column_mass: torch.Tensor | None = None
-    window: torch.Tensor | None = None
-    output: torch.Tensor | None = None
-    column_max: torch.Tensor | None = None
-    queries: torch.Tensor | None = None
-    query_index: torch.Tensor | None = None
-    scaling: float | None = None
 
 
 def allowed_keys(

@@ -11,22 +11,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
+from d2o.engine.api import CacheView
 from d2o.errors import D2OError
-
-if TYPE_CHECKING:
-    from d2o.engine.cache import CompressedCache
 
 
 class Allocation:
     """Base: equal weights. Subclasses override ``layer_weights``."""
 
-    def weights(self, cache: CompressedCache, layers: list[int], totals: torch.Tensor) -> torch.Tensor:
+    def weights(self, cache: CacheView, layers: list[int], totals: torch.Tensor, method) -> torch.Tensor:
         """(B, len(layers)) non-negative weights of the compressed ``layers``, which share
-        ``totals`` (B,) tokens."""
+        ``totals`` (B,) tokens under ``method``."""
         batch = cache.layers[0].real_seen.shape[0]
         return self.layer_weights(len(layers)).double().expand(batch, -1)
 
@@ -91,7 +88,7 @@ class InverseVariance(Allocation):
         if not 0.0 <= self.r_min < 1.0:
             raise D2OError(f"r_min={self.r_min!r} must be in [0, 1)")
 
-    def weights(self, cache: CompressedCache, layers: list[int], totals: torch.Tensor) -> torch.Tensor:
+    def weights(self, cache: CacheView, layers: list[int], totals: torch.Tensor, method) -> torch.Tensor:
         density = torch.stack([layer_density(cache.layers[i]) for i in layers], dim=-1)
         return torch.softmax(-density.double(), dim=-1)
 
@@ -106,9 +103,8 @@ class ScoreShare(Allocation):
     layer whose tokens score high keeps more. KVzip lets each KV head keep its own count; here the
     KV heads of a layer keep as many (the layer's count over its heads, shared evenly)."""
 
-    def weights(self, cache: CompressedCache, layers: list[int], totals: torch.Tensor) -> torch.Tensor:
-        policy = cache.policy
-        scores = torch.stack([policy.score(cache.layers[i]).float().masked_fill(~cache.layers[i].valid, -math.inf)
+    def weights(self, cache: CacheView, layers: list[int], totals: torch.Tensor, method) -> torch.Tensor:
+        scores = torch.stack([method.score(cache.layers[i]).float().masked_fill(~cache.layers[i].valid, -math.inf)
                               for i in layers], dim=1)  # (B, L, G, N): before compression every layer holds the prompt
         batch, n_layers = scores.shape[:2]
         per_layer = scores[0, 0].numel()
@@ -129,9 +125,10 @@ def allocation_named(name: str) -> Allocation:
     return strategies[name]()
 
 
-def layer_density(layer) -> torch.Tensor:
-    """F_l per row (B,): mean over query heads of the min-max normalised variance of column mass."""
-    mass = layer.slot_state.get("mass")
+def layer_density(layer, mass: torch.Tensor | None = None) -> torch.Tensor:
+    """F_l per row (B,): mean over query heads of the min-max normalised variance of column mass
+    (the layer's slot state ``mass``, or ``mass`` if given)."""
+    mass = layer.slot_state.get("mass") if mass is None else mass
     if mass is None:
         raise D2OError("inverse-variance allocation needs a method that accumulates attention (h2o, d2o, cam)")
     valid = layer.valid[..., None].to(mass.dtype)  # (B, G, N, 1)

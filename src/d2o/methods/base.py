@@ -2,17 +2,19 @@
 
 A method is a stateless configuration (a dataclass): all state lives in the cache layers, so one
 method object can serve any number of caches and nothing leaks from one sequence to the next.
-The engine asks it, in order:
+It sees the cache only through ``d2o.engine.api``: it reads ``LayerView``s and a ``CacheView``
+and returns what it changes. The engine asks it, in order:
 
 1. ``stats_request(layer, n_query)``: which attention statistics to compute in this pass;
-2. ``observe(layer, stats)``: fold them into per-slot state (``layer.slot_state``);
+2. ``observe(layer, stats)``: what it makes of them (``Observed``: new or added slot state, a new
+   per-layer state);
 3. ``probe(cache, prompts)``, if the method ``probes``: passes run through the model after the
    prompt and observed (1 and 2 again, ``cache.probing`` set), then taken out of the cache
    (KVzip's reconstruction of the context);
 4. ``allocate(cache, totals)``: once, each layer's budget per row, (B, L), summing to ``totals``;
 5. ``score(layer)``: a (B, kv_heads, slots) tensor, higher = keep;
 6. ``protected(layer, target)``: (B, kv_heads, slots) bool, slots kept whatever their score;
-7. ``merge`` (optional component): what becomes of the evicted slots.
+7. ``merge`` (optional component): what becomes of the evicted slots (``Merged``).
 
 The engine then keeps, per row and KV head, the protected slots and the best-scoring others.
 Per-layer state a method needs beyond its slots is a typed ``RowState`` of its own
@@ -23,22 +25,19 @@ method to it.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field, fields, is_dataclass, replace
-from typing import TYPE_CHECKING, Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 from d2o.budget import UNLIMITED, Budget
-from d2o.engine.policy import Merge, ProbePass
-from d2o.engine.stats import AttentionStats, StatsRequest
+from d2o.engine.api import (Allocated, AttentionStats, CacheView, LayerView, Merge, Observed, ProbePass, RowState,
+                            StatsRequest, TokenValues)
 from d2o.errors import D2OError
 from d2o.methods.allocation import Allocation, Uniform, allocation_named, conserve
 from d2o.methods.scoring import scoring_named
 from d2o.options import whole
-
-if TYPE_CHECKING:
-    from d2o.engine.cache import CompressedCache
-    from d2o.engine.storage import CompressedLayer, RowState
 
 
 @dataclass
@@ -94,7 +93,7 @@ class Method:
         """The per-layer state of a new cache: its merge component's, if it has one."""
         return self.merge.new_state() if self.merge is not None else None
 
-    def report(self, layer: CompressedLayer) -> dict[str, list[Any]]:
+    def report(self, layer: LayerView) -> dict[str, list[Any]]:
         """Per-layer diagnostics (one entry per row): its merge component's, if it has one."""
         return self.merge.report(layer) if self.merge is not None else {}
 
@@ -104,16 +103,17 @@ class Method:
         return self.merge.slot_state_bytes(group) if self.merge is not None else 0
 
     # -- statistics -----------------------------------------------------------------------------
-    def stats_request(self, layer: CompressedLayer, n_query: int) -> StatsRequest | None:
+    def stats_request(self, layer: LayerView, n_query: int) -> StatsRequest | None:
         return None
 
-    def observe(self, layer: CompressedLayer, stats: AttentionStats) -> None:
-        pass
+    def observe(self, layer: LayerView, stats: AttentionStats) -> Observed | None:
+        return None
 
-    def observe_tokens(self, cache: CompressedCache, surprisal: torch.Tensor, input_ids: torch.Tensor) -> None:
+    def observe_tokens(self, cache: CacheView, surprisal: torch.Tensor, input_ids: torch.Tensor) -> TokenValues | None:
         """The new tokens' surprisal (B, q) and ids, if ``needs_surprisal``; called before compression."""
+        return None
 
-    def probe(self, cache: CompressedCache, prompts: list[list[int]]) -> list[ProbePass]:
+    def probe(self, cache: CacheView, prompts: list[list[int]]) -> list[ProbePass]:
         """If ``probes``: the passes to run through the model and observe before the first
         compression (each taken out of the cache after it), given each row's prompt token ids."""
         return []
@@ -169,7 +169,7 @@ class Method:
         """Tokens every layer sets aside before the rest is shared by ``allocation`` (a window)."""
         return 0
 
-    def allocate(self, cache: CompressedCache, totals: torch.Tensor) -> torch.Tensor:
+    def allocate(self, cache: CacheView, totals: torch.Tensor) -> Allocated:
         """Per-row, per-layer budgets (B, L) summing to ``totals`` (B,) over the layers a budget
         shares (every layer but sliding-window ones); the others are UNLIMITED."""
         n_layers = cache.n_layers
@@ -177,7 +177,7 @@ class Method:
         active = [i for i in cache.compressible if i not in exempt]
         prompt = cache.layers[0].real_seen.cpu()
         shared = totals - len(exempt) * prompt  # exempt layers hold the whole prompt
-        weights = self.allocation.weights(cache, active, shared).double()  # (B, len(active))
+        weights = self.allocation.weights(cache, active, shared, self).double()  # (B, len(active))
         budgets = torch.full((len(prompt), n_layers), UNLIMITED, dtype=torch.long)
         reserved = self.reserved
         for row, (length, total) in enumerate(zip(prompt.tolist(), shared.tolist())):
@@ -196,17 +196,17 @@ class Method:
                 )
             shares = conserve(weights[row], total - len(active) * reserved, lower - reserved, length - reserved)
             budgets[row, active] = torch.tensor(shares, dtype=torch.long) + reserved
-        return budgets
+        return Allocated(budgets)
 
     # -- eviction -------------------------------------------------------------------------------
-    def score(self, layer: CompressedLayer) -> torch.Tensor:
+    def score(self, layer: LayerView) -> torch.Tensor:
         raise NotImplementedError
 
     def n_recent(self, target: torch.Tensor) -> torch.Tensor:
         """(B,) how many of the newest tokens to protect when a layer keeps ``target`` tokens."""
         return torch.zeros_like(target)
 
-    def protected(self, layer: CompressedLayer, target: torch.Tensor) -> torch.Tensor:
+    def protected(self, layer: LayerView, target: torch.Tensor) -> torch.Tensor:
         """Sinks and the recent window: (B, G, N) bool."""
         index = layer.token_index
         recent_from = layer.real_seen - self.n_recent(target)
@@ -231,7 +231,7 @@ class HeavyRecent(Method):
         return torch.minimum(target * recent // (scored + recent), target - self.n_sinks).clamp_min(0)
 
 
-def recency(layer: CompressedLayer) -> torch.Tensor:
+def recency(layer: LayerView) -> torch.Tensor:
     """Newer tokens score higher (local windows, StreamingLLM)."""
     return layer.token_index.float()
 
@@ -245,11 +245,22 @@ def check(ok: bool, parameter: str, value, requirement: str) -> None:
 # -- registry -----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Entry:
+    """A name ``get_method`` builds: a method's class, or an ablation of a method (``base``): the
+    same class with other defaults (``options``)."""
+
     name: str
     summary: str
-    build: Callable[..., Method]
     cls: type[Method]
-    ablation: bool = False  # a part removed or swapped to explain a result, not a method to choose
+    options: dict = field(default_factory=dict)
+    base: str | None = None
+
+    @property
+    def ablation(self) -> bool:
+        """A part removed or swapped to explain a result, not a method to choose."""
+        return self.base is not None
+
+    def build(self, **options) -> Method:
+        return self.cls(**{**copy.deepcopy(self.options), **options})
 
 
 REGISTRY: dict[str, Entry] = {}
@@ -257,14 +268,13 @@ REGISTRY: dict[str, Entry] = {}
 
 def register(cls: type[Method]) -> type[Method]:
     """Class decorator: make a method available by its ``name``."""
-    REGISTRY[cls.name] = Entry(cls.name, cls.summary, cls, cls)
+    REGISTRY[cls.name] = Entry(cls.name, cls.summary, cls)
     return cls
 
 
-def register_variant(name: str, summary: str, build: Callable[..., Method], cls: type[Method],
-                     ablation: bool = False) -> None:
-    """A named configuration of ``cls`` (an ablation, a parity preset)."""
-    REGISTRY[name] = Entry(name, summary, build, cls, ablation)
+def register_ablation(name: str, base: str, summary: str, options: dict) -> None:
+    """Make ``name`` the method ``base`` with ``options`` for defaults (listed by ``d2o methods --all``)."""
+    REGISTRY[name] = Entry(name, summary, REGISTRY[base].cls, options, base)
 
 
 def get_method(name: str, **options) -> Method:

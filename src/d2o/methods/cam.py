@@ -7,8 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from d2o.engine.policy import STATE_VALUE_BYTES, Evicted, Merge
-from d2o.engine.stats import AttentionStats, StatsRequest
+from d2o.engine.api import STATE_VALUE_BYTES, AttentionStats, Evicted, Merge, Merged, Observed, StatsRequest
 from d2o.methods.base import check, register
 from d2o.methods.h2o import H2O
 from d2o.methods.scoring import AccumulatedAttention, Scoring
@@ -32,9 +31,10 @@ class AccumulatedWithLastLook(AccumulatedAttention):
     def stats_request(self, layer, n_query: int) -> StatsRequest:
         return StatsRequest(column_mass=True, window=1)
 
-    def observe(self, layer, stats: AttentionStats) -> None:
-        super().observe(layer, stats)
-        layer.slot_state[LAST_LOOK] = stats.window[:, :, :, -1].mean(dim=2)  # (B, G, N)
+    def observe(self, layer, stats: AttentionStats) -> Observed:
+        observed = super().observe(layer, stats)
+        observed.slot_state[LAST_LOOK] = stats.window[:, :, :, -1].mean(dim=2)  # (B, G, N)
+        return observed
 
 
 @dataclass
@@ -67,13 +67,14 @@ class ProminenceMerge:
     def slot_state_bytes(self, group: int) -> int:
         return 0
 
-    def merge(self, layers: list, evicted: list[Evicted]) -> list[torch.Tensor]:
+    def merge(self, layers: list, evicted: list[Evicted]) -> list[Merged]:
         return [self._merge_layer(layer, gone) for layer, gone in zip(layers, evicted)]
 
-    def _merge_layer(self, layer, evicted: Evicted) -> torch.Tensor:
-        values = layer.values
+    def _merge_layer(self, layer, evicted: Evicted) -> Merged:
+        values = layer.values.clone()
         batch, heads, _ = evicted.token_index.shape
         merged = torch.zeros(batch, dtype=torch.long, device=values.device)
+        received = torch.zeros(values.shape[:3], dtype=torch.bool, device=values.device)
         kept_prominence = layer.slot_state[LAST_LOOK]  # (B, G, K)
         gone_prominence = evicted.slot_state[LAST_LOOK]  # (B, G, E)
         for b in range(batch):
@@ -100,8 +101,9 @@ class ProminenceMerge:
                 share = weight * chosen[:, None].float() / self.span
                 contribution = share[..., None] * evicted.values[b, g, :n_evict][:, None, :].float()
                 values[b, g].index_add_(0, targets.flatten(), contribution.flatten(0, 1).to(values.dtype))
+                received[b, g, targets[share > 0]] = True
                 merged[b] += int(chosen.sum())
-        return merged
+        return Merged(merged, values=values, changed=received)
 
 
 @register

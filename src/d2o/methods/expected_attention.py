@@ -3,12 +3,11 @@ Attention from Future Queries Distribution", arXiv 2510.00636; kvpress's ``Expec
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from d2o.engine.stats import AttentionStats, StatsRequest
-from d2o.engine.storage import RowState
+from d2o.engine.api import AttentionStats, Observed, RowState, StatsRequest
 from d2o.methods.base import Method, check, register
 from d2o.options import whole
 
@@ -66,7 +65,7 @@ class ExpectedAttention(Method):
     def stats_request(self, layer, n_query: int) -> StatsRequest:
         return StatsRequest(queries=True)
 
-    def observe(self, layer, stats: AttentionStats) -> None:
+    def observe(self, layer, stats: AttentionStats) -> Observed:
         index = stats.query_index  # (B, q)
         work = torch.promote_types(stats.queries.dtype, torch.float32)  # float32 at least
         cos, sin = layer.cache.rotary(layer.layer_idx, index.clamp_min(0), work)  # (B, q, D)
@@ -81,10 +80,9 @@ class ExpectedAttention(Method):
         total = weighted.sum(2)
         # Two operands at a time: a three-way einsum may build the (B, H, q, D, D) outer products first.
         squares = weighted.transpose(-1, -2) @ queries  # (B, H, D, D)
-        if state.count is None:
-            state.count, state.total, state.squares = count, total, squares
-        else:
-            state.count, state.total, state.squares = state.count + count, state.total + total, state.squares + squares
+        if state.count is not None:
+            count, total, squares = state.count + count, state.total + total, state.squares + squares
+        return Observed(state=replace(state, count=count, total=total, squares=squares))
 
     def score(self, layer) -> torch.Tensor:
         state = layer.state

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from d2o.budget import UNLIMITED
+from d2o.engine.api import Allocated
 from d2o.methods.base import Method, register
 
 
@@ -19,5 +20,5 @@ class Full(Method):
     summary = "no compression: every token is kept (the reference)"
     keeps_everything = True
 
-    def allocate(self, cache, totals: torch.Tensor) -> torch.Tensor:
-        return torch.full((len(totals), cache.n_layers), UNLIMITED, dtype=torch.long)
+    def allocate(self, cache, totals: torch.Tensor) -> Allocated:
+        return Allocated(torch.full((len(totals), cache.n_layers), UNLIMITED, dtype=torch.long))

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from d2o.engine.stats import AttentionStats, StatsRequest
+from d2o.engine.api import AttentionStats, Observed, StatsRequest, TokenValues
 from d2o.errors import D2OError
 from d2o.methods.base import HeavyRecent, check, register
 from d2o.methods.scoring import VOTES, AccumulatedAttention, Scoring
@@ -47,11 +47,11 @@ class H2O(HeavyRecent):
     def stats_request(self, layer, n_query: int) -> StatsRequest:
         return self.scoring.stats_request(layer, n_query)
 
-    def observe(self, layer, stats: AttentionStats) -> None:
-        self.scoring.observe(layer, stats)
+    def observe(self, layer, stats: AttentionStats) -> Observed:
+        return self.scoring.observe(layer, stats)
 
-    def observe_tokens(self, cache, surprisal: torch.Tensor, input_ids: torch.Tensor) -> None:
-        self.scoring.observe_tokens(cache, surprisal, input_ids)
+    def observe_tokens(self, cache, surprisal: torch.Tensor, input_ids: torch.Tensor) -> TokenValues | None:
+        return self.scoring.observe_tokens(cache, surprisal, input_ids)
 
     def score(self, layer) -> torch.Tensor:
         return self.scoring.score(layer)

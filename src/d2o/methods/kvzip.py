@@ -7,8 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from d2o.engine.policy import STATE_VALUE_BYTES, ProbePass
-from d2o.engine.stats import AttentionStats, StatsRequest
+from d2o.engine.api import STATE_VALUE_BYTES, AttentionStats, Observed, ProbePass, StatsRequest
 from d2o.methods.allocation import Allocation, ScoreShare
 from d2o.methods.base import Method, check, register
 from d2o.options import whole
@@ -83,10 +82,11 @@ class KVzip(Method):
             return None
         return StatsRequest(column_max=True, visible=chunk_keys(layer, probe, self.n_sinks))
 
-    def observe(self, layer, stats: AttentionStats) -> None:
+    def observe(self, layer, stats: AttentionStats) -> Observed | None:
         probe = layer.cache.probing
-        if probe is not None and stats.column_max is not None:
-            record_span(layer, probe, stats.column_max.amax(dim=2))
+        if probe is None or stats.column_max is None:
+            return None
+        return Observed({RECALL: recalled(layer, probe, stats.column_max.amax(dim=2))})
 
     def score(self, layer) -> torch.Tensor:
         # The sinks score highest (kvpress), so that the threshold over layers counts them as kept.
@@ -147,10 +147,10 @@ def chunk_keys(layer, probe: ProbePass, n_sinks: int) -> torch.Tensor | None:
     return None if bool(visible[index >= 0].all()) else visible
 
 
-def record_span(layer, probe: ProbePass, scores: torch.Tensor) -> None:
-    """Write ``scores`` (B, G, N) into the slot state ``recall`` of the tokens the probe is about."""
+def recalled(layer, probe: ProbePass, scores: torch.Tensor) -> torch.Tensor:
+    """The slot state ``recall`` with ``scores`` (B, G, N) for the tokens the probe is about."""
     start, end, _ = _span_bounds(layer, probe)
     index = layer.token_index
     inside = (index >= start) & (index < end)
     recall = layer.slot_state.get(RECALL)
-    layer.slot_state[RECALL] = torch.where(inside, scores, 0.0 if recall is None else recall)
+    return torch.where(inside, scores, 0.0 if recall is None else recall)

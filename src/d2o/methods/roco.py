@@ -7,8 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from d2o.engine.policy import STATE_VALUE_BYTES
-from d2o.engine.stats import AttentionStats, StatsRequest
+from d2o.engine.api import STATE_VALUE_BYTES, AttentionStats, Observed, StatsRequest
 from d2o.methods.base import HeavyRecent, check, register
 from d2o.options import whole
 
@@ -45,7 +44,7 @@ class RoCo(HeavyRecent):
     def stats_request(self, layer, n_query: int) -> StatsRequest:
         return StatsRequest(window=self.window)
 
-    def observe(self, layer, stats: AttentionStats) -> None:
+    def observe(self, layer, stats: AttentionStats) -> Observed:
         # This pass's rows only (under a hold the window also holds earlier passes'; they are in history).
         fresh = stats.window[:, :, :, -min(stats.n_query, stats.window.shape[3]):]
         rows = fresh.sum(dim=2).permute(0, 1, 3, 2)  # (B, G, N, w): per KV head
@@ -54,7 +53,7 @@ class RoCo(HeavyRecent):
             rows = torch.cat([history, rows], dim=-1)[..., -self.window :]
         elif rows.shape[-1] < self.window:
             rows = torch.nn.functional.pad(rows, (self.window - rows.shape[-1], 0))
-        layer.slot_state["recent_rows"] = rows.contiguous()
+        return Observed({"recent_rows": rows.contiguous()})
 
     def slot_state_bytes(self, group: int) -> int:
         return STATE_VALUE_BYTES * self.window  # the window's attention rows

@@ -17,8 +17,7 @@ from typing import ClassVar, Protocol
 import torch
 import torch.nn.functional as F
 
-from d2o.engine.policy import STATE_VALUE_BYTES
-from d2o.engine.stats import AttentionStats, StatsRequest
+from d2o.engine.api import STATE_VALUE_BYTES, AttentionStats, Observed, StatsRequest, TokenValues
 from d2o.errors import D2OError
 from d2o.options import whole
 
@@ -33,9 +32,9 @@ class Scoring(Protocol):
 
     def stats_request(self, layer, n_query: int) -> StatsRequest | None: ...
 
-    def observe(self, layer, stats: AttentionStats) -> None: ...
+    def observe(self, layer, stats: AttentionStats) -> Observed: ...
 
-    def observe_tokens(self, cache, surprisal: torch.Tensor, input_ids: torch.Tensor) -> None: ...
+    def observe_tokens(self, cache, surprisal: torch.Tensor, input_ids: torch.Tensor) -> TokenValues | None: ...
 
     def score(self, layer) -> torch.Tensor: ...
 
@@ -60,11 +59,11 @@ class AccumulatedAttention:
     def stats_request(self, layer, n_query: int) -> StatsRequest:
         return StatsRequest(column_mass=True)
 
-    def observe(self, layer, stats: AttentionStats) -> None:
-        accumulate_mass(layer, stats)
+    def observe(self, layer, stats: AttentionStats) -> Observed:
+        return Observed(added={MASS: column_mass(stats)})
 
-    def observe_tokens(self, cache, surprisal: torch.Tensor, input_ids: torch.Tensor) -> None:
-        pass
+    def observe_tokens(self, cache, surprisal: torch.Tensor, input_ids: torch.Tensor) -> TokenValues | None:
+        return None
 
     def score(self, layer) -> torch.Tensor:
         return layer.slot_state[MASS].sum(-1)
@@ -161,24 +160,27 @@ class BlendedScores(AccumulatedAttention):
         # The votes are replaced by every pass and read only by an eviction: none after a pass none follows.
         return StatsRequest(column_mass=True, window=self.window if layer.cache.may_evict_after(n_query) else 0)
 
-    def observe(self, layer, stats: AttentionStats) -> None:
-        accumulate_mass(layer, stats)
+    def observe(self, layer, stats: AttentionStats) -> Observed:
+        observed = super().observe(layer, stats)
         if stats.window is not None:  # the votes of this pass's last queries replace the last pass's
             # (B, G, N): over the group's heads and the window's queries (padding queries' rows are 0)
             votes = stats.window.amax(dim=(2, 3)) if self.votes == "max" else stats.window.sum(dim=(2, 3))
-            layer.slot_state[VOTES] = spread_in_token_order(votes, layer.token_index, self.span)
+            observed.slot_state[VOTES] = spread_in_token_order(votes, layer.token_index, self.span)
+        return observed
 
-    def observe_tokens(self, cache, surprisal: torch.Tensor, input_ids: torch.Tensor) -> None:
+    def observe_tokens(self, cache, surprisal: torch.Tensor, input_ids: torch.Tensor) -> TokenValues:
+        values = {}
         if self.surprisal:
-            record_tokens(cache, SURPRISAL, spread(surprisal, self.surprisal_span))
+            values[SURPRISAL] = spread(surprisal, self.surprisal_span)
+        if self.novelty or self.reads_words:
+            index = cache.layers[0].fresh_index(input_ids.shape[1])
         if self.novelty:
-            ends = sentence_ends(cache.tokenizer, cache.config.vocab_size).to(input_ids.device)[input_ids]
-            real = cache.layers[0].fresh_real(input_ids.shape[1])
-            record_tokens(cache, NOVELTY, sentence_means(surprisal, ends, real, self.sentence_limit))
+            ends = sentence_ends(cache.tokenizer, cache.vocab_size).to(input_ids.device)[input_ids]
+            values[NOVELTY] = sentence_means(surprisal, ends, index >= 0, self.sentence_limit)
         if self.reads_words:
-            starts = word_starts(cache.tokenizer, cache.config.vocab_size).to(input_ids.device)[input_ids]
-            first = cache.layers[0].fresh_index(input_ids.shape[1])
-            record_tokens(cache, WORD, word_first_tokens(first, starts, self.word_limit).float())
+            starts = word_starts(cache.tokenizer, cache.vocab_size).to(input_ids.device)[input_ids]
+            values[WORD] = word_first_tokens(index, starts, self.word_limit).float()
+        return TokenValues(values)
 
     def score(self, layer) -> torch.Tensor:
         valid = layer.valid
@@ -237,29 +239,10 @@ def spread_in_token_order(values: torch.Tensor, token_index: torch.Tensor, span:
     return torch.empty_like(spread_values).scatter_(-1, order, spread_values).masked_fill_(empty, 0.0)
 
 
-def accumulate_mass(layer, stats: AttentionStats) -> None:
-    """Add this pass's column mass to the slot state ``mass`` (B, G, N, group), float32."""
-    mass = stats.column_mass.permute(0, 1, 3, 2)
-    if MASS in layer.slot_state:
-        layer.slot_state[MASS] += mass
-    else:
-        layer.slot_state[MASS] = mass.contiguous()
-
-
-def record_tokens(cache, name: str, values: torch.Tensor, decay: float = 1.0) -> None:
-    """Write the new tokens' ``values`` (B, q) into the slot state ``name`` of every layer, the
-    older tokens' first multiplied by ``decay``."""
-    batch, n_new = values.shape
-    heads = cache.layers[0].token_index.shape[1]  # the stored KV heads, as many in every layer
-    per_head = values[:, None, :].expand(batch, heads, n_new)
-    for layer in cache.layers:
-        scores = layer.slot_state.get(name)
-        if scores is None:
-            scores = torch.zeros(layer.token_index.shape, dtype=torch.float32, device=values.device)
-        elif decay != 1.0:
-            scores *= decay  # the new tokens' slots are overwritten just below
-        scores.scatter_(2, layer.fresh_slots(n_new), per_head)
-        layer.slot_state[name] = scores
+def column_mass(stats: AttentionStats) -> torch.Tensor:
+    """This pass's column mass as the slot state ``mass`` holds it, (B, G, N, group) float32: the
+    attention accumulated per query head, added to what earlier passes gave."""
+    return stats.column_mass.permute(0, 1, 3, 2)
 
 
 # A token whose text holds one of these ends a sentence (or a line).

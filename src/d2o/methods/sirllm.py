@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from d2o.engine.policy import STATE_VALUE_BYTES
+from d2o.engine.api import STATE_VALUE_BYTES, TokenValues
 from d2o.methods.base import HeavyRecent, check, register
-from d2o.methods.scoring import SURPRISAL, record_tokens
+from d2o.methods.scoring import SURPRISAL
 
 
 @register
@@ -38,8 +38,8 @@ class SirLLM(HeavyRecent):
         super().__post_init__()
         check(0.0 < self.decay <= 1.0, "decay", self.decay, "must be in (0, 1]")
 
-    def observe_tokens(self, cache, surprisal: torch.Tensor, input_ids: torch.Tensor) -> None:
-        record_tokens(cache, SURPRISAL, surprisal, self.decay)
+    def observe_tokens(self, cache, surprisal: torch.Tensor, input_ids: torch.Tensor) -> TokenValues:
+        return TokenValues({SURPRISAL: surprisal}, decay={SURPRISAL: self.decay})
 
     def score(self, layer) -> torch.Tensor:
         return layer.slot_state[SURPRISAL]

@@ -7,8 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from d2o.engine.policy import STATE_VALUE_BYTES
-from d2o.engine.stats import AttentionStats, StatsRequest
+from d2o.engine.api import STATE_VALUE_BYTES, AttentionStats, Observed, StatsRequest
 from d2o.methods.base import Method, check, register
 from d2o.options import whole
 
@@ -49,9 +48,9 @@ class SnapKV(Method):
         return f"window {self.window} + {self.n_sinks} sinks + 1"
 
     def stats_request(self, layer, n_query: int) -> StatsRequest | None:
-        return StatsRequest(window=self.window) if layer.budget is None else None
+        return None if layer.cache.allocated else StatsRequest(window=self.window)
 
-    def observe(self, layer, stats: AttentionStats) -> None:
+    def observe(self, layer, stats: AttentionStats) -> Observed:
         votes = stats.window.sum(dim=-2)  # (B, G, group, N): summed over the window's queries
         batch, heads, group, n = votes.shape
         # The prefix is pooled alone (the window is kept anyway): the window's votes for its own
@@ -60,7 +59,7 @@ class SnapKV(Method):
         flat = votes.reshape(-1, 1, n)
         pool = F.max_pool1d if self.pooling == "max" else F.avg_pool1d
         pooled = pool(flat, self.kernel, stride=1, padding=self.kernel // 2)
-        layer.slot_state["votes"] = pooled.view(batch, heads, group, n).mean(dim=2)
+        return Observed({"votes": pooled.view(batch, heads, group, n).mean(dim=2)})
 
     def score(self, layer):
         return layer.slot_state["votes"]

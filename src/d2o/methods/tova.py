@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from d2o.engine.policy import STATE_VALUE_BYTES
-from d2o.engine.stats import AttentionStats, StatsRequest
+from d2o.engine.api import STATE_VALUE_BYTES, AttentionStats, Observed, StatsRequest
 from d2o.methods.base import Method, register
 
 
@@ -24,9 +23,9 @@ class TOVA(Method):
     def stats_request(self, layer, n_query: int) -> StatsRequest:
         return StatsRequest(window=1)
 
-    def observe(self, layer, stats: AttentionStats) -> None:
+    def observe(self, layer, stats: AttentionStats) -> Observed:
         current = stats.window[:, :, :, -1, :].mean(dim=(1, 2))  # (B, N)
-        layer.slot_state["current"] = current[:, None, :].expand(-1, stats.window.shape[1], -1).contiguous()
+        return Observed({"current": current[:, None, :].expand(-1, stats.window.shape[1], -1).contiguous()})
 
     def score(self, layer):
         return layer.slot_state["current"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -165,16 +165,14 @@ class CompressedContext:
         from safetensors.torch import save_file
 
         path = Path(path)
-        tensors, layers = _cache_tensors(self.cache)
-        tensors["logits"], tensors["positions"] = self.logits, self.positions
+        tensors, cache_meta = self.cache.state_dict()
+        tensors = {**tensors, "logits": self.logits, "positions": self.positions}
         meta = {
             "format": FORMAT, "d2o": _version(), "model": model_identity(self.model),
             "method": self.method_name, "options": self.options, "budget": str(self.budget),
             "min_tokens": self.budget.min_tokens, "ratio": self.budget.ratio, "tokens": self.budget.tokens,
             "floor_given": self.budget.floor_given, "chat": self.chat, "conversation": self.conversation,
-            "ids": self.ids,
-            "layers": layers, "forwards": self.cache.forwards, "allocated": self.cache.allocated,
-            "probed": self.cache.probed, "evict_every": self.cache.evict_every,
+            "ids": self.ids, **cache_meta,
             "kv": None if self.cache.quantization is None else asdict(self.cache.quantization),
         }
         try:
@@ -296,7 +294,7 @@ def load_context(path: str | Path, model, tokenizer=None) -> CompressedContext:
     quantization = None if meta["kv"] is None else KVQuantization(**meta["kv"])
     cache = CompressedCache(model, method, budget, tokenizer=tokenizer, evict_every=meta["evict_every"],
                             kv_bits=quantization)
-    _restore_cache(cache, tensors, meta, next(model.parameters()).dtype)
+    cache.load_state_dict(tensors, meta, next(model.parameters()).dtype)
     if tokenizer is None:
         tokenizer = cache.tokenizer
     return CompressedContext(model, tokenizer, method, meta["method"], meta["options"], meta["ids"], meta["chat"],
@@ -325,82 +323,3 @@ def _version() -> str:
         return version("d2o")
     except PackageNotFoundError:
         return "unknown"
-
-
-# Per-layer tensors a compressed cache holds (None where a layer has not set one).
-_LAYER_TENSORS = ("token_index", "log_weight", "real_seen", "merged", "budget")
-
-
-def _cache_tensors(cache: CompressedCache) -> tuple[dict[str, torch.Tensor], list[dict]]:
-    """The cache's tensors by name, and per layer what is not a tensor (counts, the state's shape)."""
-    tensors, layers = {}, []
-    if cache._last_hidden is not None:  # the surprisal of the first token fed next reads them
-        tensors["last_hidden"] = cache._last_hidden
-    if cache._last_logits is not None:
-        tensors["last_logits.hidden"], tensors["last_logits.logits"] = cache._last_logits
-    for i, layer in enumerate(cache.layers):
-        if not layer.is_initialized:
-            layers.append(None)
-            continue
-        for name, value in layer._stored().items():  # keys and values as stored (quantized or not)
-            tensors[f"{i}.stored.{name}"] = value
-        for j, value in enumerate(getattr(layer, "ring", None) or ()):
-            tensors[f"{i}.ring.{j}"] = value
-        for name in _LAYER_TENSORS:
-            value = getattr(layer, name)
-            if value is not None:
-                tensors[f"{i}.{name}"] = value
-        for name, state in layer.slot_state.items():
-            tensors[f"{i}.slot.{name}"] = state
-        state = {}
-        if layer.state is not None:
-            for f in fields(layer.state):
-                value = getattr(layer.state, f.name)
-                if isinstance(value, torch.Tensor):
-                    tensors[f"{i}.state.{f.name}"] = value
-                    state[f.name] = "tensor"
-                elif isinstance(value, list):
-                    for j, item in enumerate(value):
-                        tensors[f"{i}.state.{f.name}.{j}"] = item
-                    state[f.name] = len(value)
-                else:
-                    state[f.name] = {"value": value}
-        layers.append({"seen": layer.seen, "observing": layer.observing, "slots": sorted(layer.slot_state),
-                       "state": state, "dims": [layer.key_dim, layer.value_dim]})
-    return tensors, layers
-
-
-def _restore_cache(cache: CompressedCache, tensors: dict[str, torch.Tensor], meta: dict, dtype: torch.dtype) -> None:
-    if len(meta["layers"]) != len(cache.layers):
-        raise D2OError(f"the saved context has {len(meta['layers'])} layers, the model {len(cache.layers)}")
-    for i, (layer, saved) in enumerate(zip(cache.layers, meta["layers"])):
-        if saved is None:
-            continue
-        token_index = tensors[f"{i}.token_index"]
-        batch, heads = token_index.shape[:2]
-        layer.lazy_initialization(*(torch.empty((batch, heads, 0, dim), dtype=dtype, device=token_index.device)
-                                    for dim in saved["dims"]))
-        layer._store({name[len(f"{i}.stored."):]: tensor for name, tensor in tensors.items()
-                      if name.startswith(f"{i}.stored.")})
-        ring = [tensors[name] for name in sorted(tensors) if name.startswith(f"{i}.ring.")]
-        if ring:
-            layer.ring = tuple(ring)
-        for name in _LAYER_TENSORS:
-            setattr(layer, name, tensors.get(f"{i}.{name}"))
-        layer.slot_state = {name: tensors[f"{i}.slot.{name}"] for name in saved["slots"]}
-        layer.seen, layer.observing = saved["seen"], saved["observing"]
-        if layer.state is not None:
-            values = {}
-            for name, kind in saved["state"].items():
-                if kind == "tensor":
-                    values[name] = tensors[f"{i}.state.{name}"]
-                elif isinstance(kind, int):
-                    values[name] = [tensors[f"{i}.state.{name}.{j}"] for j in range(kind)]
-                else:
-                    values[name] = kind["value"]
-            layer.state = replace(layer.state, **values)
-    cache.forwards, cache.allocated, cache.probed = meta["forwards"], meta["allocated"], meta["probed"]
-    cache._prompt = []
-    cache._last_hidden = tensors.get("last_hidden")
-    if "last_logits.hidden" in tensors:
-        cache._last_logits = (tensors["last_logits.hidden"], tensors["last_logits.logits"])

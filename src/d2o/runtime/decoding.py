@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from d2o.engine.cache import left_pad
+from d2o.engine.probing import left_pad
 from d2o.errors import D2OError
 from d2o.options import whole
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from d2o.budget import UNLIMITED, Budget
-from d2o.engine.cache import compressible_layers, head_dim, sliding_windows
+from d2o.engine.model_facts import compressible_layers, head_dim, sliding_windows
 from d2o.engine.quantization import KVQuantization
 from d2o.engine.storage import TOKEN_INDEX_DTYPE
 from d2o.methods.base import Method
@@ -87,7 +87,7 @@ def plan(config, method: Method, budget: Budget, prompt_tokens: int, new_tokens:
     windows = sliding_windows(config.get_text_config())
     per_slot = slot_bytes(config, dtype_bytes, method, stock, kv_bits)
     length = prompt_tokens + new_tokens
-    compressible = compressible_layers(windows, budget)
+    compressible = compressible_layers(windows, budget.unlimited)
     exempt = len(method.exempt_among(len(windows), compressible))
     active = len(compressible) - exempt
     if method.keeps_everything or budget.unlimited or not method.conserves_budget:

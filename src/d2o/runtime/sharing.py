@@ -10,55 +10,26 @@ which compresses exactly as if that method had run the prefill alone.
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
 from dataclasses import dataclass, field, replace
 
 import torch
 
+from d2o.engine.api import AttentionStats, Observed, ProbePass, RowState, StatsRequest, TokenValues
 from d2o.engine.cache import CompressedCache
-from d2o.engine.policy import ProbePass
-from d2o.engine.stats import AttentionStats, StatsRequest
-from d2o.engine.storage import RowState
 from d2o.errors import D2OError
 from d2o.methods.base import Method
 
 
-class _Namespace(MutableMapping):
-    """The slice ``"{i}/..."`` of a layer's slot state, seen by method i as its own dict."""
-
-    def __init__(self, store: dict, prefix: str):
-        self.store, self.prefix = store, prefix
-
-    def __getitem__(self, key):
-        return self.store[self.prefix + key]
-
-    def __setitem__(self, key, value):
-        self.store[self.prefix + key] = value
-
-    def __delitem__(self, key):
-        del self.store[self.prefix + key]
-
-    def __iter__(self):
-        return (key[len(self.prefix):] for key in self.store if key.startswith(self.prefix))
-
-    def __len__(self):
-        return sum(1 for _ in self)
+def _own(layer, index: int):
+    """``layer`` (a view) as method ``index`` sees it: its slot state (the names under ``"{index}/"``)
+    and its per-layer state (its part of ``_States``)."""
+    prefix = f"{index}/"
+    return layer.narrowed({name[len(prefix):]: state for name, state in layer.slot_state.items()
+                           if name.startswith(prefix)}, layer.state.parts[index])
 
 
-class _View:
-    """A layer (or cache) as method ``index`` sees it while observing: everything shared but its
-    slot state (the slice under ``prefix``) and its per-layer state (its part of ``_States``)."""
-
-    def __init__(self, target, prefix: str, index: int):
-        self._target, self._prefix = target, prefix
-        if hasattr(target, "slot_state"):
-            self.slot_state = _Namespace(target.slot_state, prefix)
-            self.state = None if target.state is None else target.state.parts[index]
-        if hasattr(target, "layers"):
-            self.layers = [_View(layer, prefix, index) for layer in target.layers]
-
-    def __getattr__(self, name):
-        return getattr(self._target, name)
+def _prefixed(values: dict, index: int) -> dict:
+    return {f"{index}/{name}": value for name, value in values.items()}
 
 
 @dataclass
@@ -94,7 +65,7 @@ class _Observers(Method):
     def requests(self, layer, n_query: int) -> list[StatsRequest | None]:
         """Each method's request; during a probe pass, only the request of the method it is for."""
         probing = layer.cache.probing
-        return [m.stats_request(_View(layer, f"{i}/", i), n_query) if probing is None or probing.tag == i else None
+        return [m.stats_request(_own(layer, i), n_query) if probing is None or probing.tag == i else None
                 for i, m in enumerate(self.methods)]
 
     def stats_request(self, layer, n_query: int) -> StatsRequest | None:
@@ -108,7 +79,8 @@ class _Observers(Method):
         return StatsRequest(column_mass=any(r.column_mass for r in asked), window=max(r.window for r in asked),
                             column_max=any(r.column_max for r in asked), queries=any(r.queries for r in asked))
 
-    def observe(self, layer, stats: AttentionStats) -> None:
+    def observe(self, layer, stats: AttentionStats) -> Observed:
+        joined, parts = Observed(), list(layer.state.parts)
         for i, (method, request) in enumerate(zip(self.methods, self.requests(layer, stats.n_query))):
             if request is None:
                 continue
@@ -119,17 +91,28 @@ class _Observers(Method):
                            column_max=stats.column_max if request.column_max else None)
             if not request.queries:
                 mine = replace(mine, queries=None, query_index=None, scaling=None)
-            method.observe(_View(layer, f"{i}/", i), mine)
+            observed = method.observe(_own(layer, i), mine)
+            if observed is not None:
+                joined.slot_state.update(_prefixed(observed.slot_state, i))
+                joined.added.update(_prefixed(observed.added, i))
+                if observed.state is not None:
+                    parts[i] = observed.state
+        joined.state = _States(tuple(parts))
+        return joined
 
-    def observe_tokens(self, cache, surprisal: torch.Tensor, input_ids: torch.Tensor) -> None:
+    def observe_tokens(self, cache, surprisal: torch.Tensor, input_ids: torch.Tensor) -> TokenValues:
+        joined = TokenValues({})
         for i, method in enumerate(self.methods):
-            if method.needs_surprisal:
-                method.observe_tokens(_View(cache, f"{i}/", i), surprisal, input_ids)
+            values = method.observe_tokens(cache, surprisal, input_ids) if method.needs_surprisal else None
+            if values is not None:
+                joined.values.update(_prefixed(values.values, i))
+                joined.decay.update(_prefixed(values.decay, i))
+        return joined
 
     def probe(self, cache, prompts: list[list[int]]) -> list[ProbePass]:
         """Every method's probe passes, each tagged with the method it is for."""
         return [replace(probe, tag=i) for i, method in enumerate(self.methods) if method.probes
-                for probe in method.probe(_View(cache, f"{i}/", i), prompts)]
+                for probe in method.probe(cache, prompts)]
 
 
 class SharedPrefill:

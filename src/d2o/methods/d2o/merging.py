@@ -13,14 +13,11 @@ starts afresh with every cache (the released code carries it from one prompt to 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from d2o.engine.policy import STATE_VALUE_BYTES, Evicted
-from d2o.engine.stats import CHUNK_ELEMENTS, as_dtype
-from d2o.engine.selection import take_rows
-from d2o.engine.storage import RowState
+from d2o.engine.api import STATE_VALUE_BYTES, Evicted, Merged, RowState, as_dtype
 from d2o.errors import D2OError
 from d2o.methods.scoring import MASS, VOTES
 from d2o.options import whole
@@ -32,6 +29,7 @@ DECISIONS = ("per_head", "mean_over_heads")
 MERGES = "merges"  # slot state: evicted (token, KV head) pairs each kept slot has absorbed
 NO_TARGET = -2.0  # the similarity of an evicted token with no slot allowed to absorb it
 NORM_EPS = 1e-12  # as torch.nn.functional.normalize
+CHUNK_ELEMENTS = 1 << 21  # similarities held at once (float32): 8 MB
 
 
 @dataclass
@@ -143,25 +141,26 @@ class SimilarityMerge:
         most = merges.flatten(1).amax(-1).tolist() if merges is not None and merges.numel() else [0] * rows
         return {"tau": taus, "most_merges_in_a_slot": most}
 
-    def merge(self, layers: list, evicted: list[Evicted]) -> list[torch.Tensor]:
+    def merge(self, layers: list, evicted: list[Evicted]) -> list[Merged]:
         """Fold each layer's evicted tokens into its kept slots. Layers evicting as many tokens per
         row (every layer of a decode step: one) are decided together, their rows stacked as one
         batch: the rule is per row, so only the number of tensor operations changes."""
-        merged: list[torch.Tensor | None] = [None] * len(layers)
+        merged: list[Merged | None] = [None] * len(layers)
         widths: dict[int, list[int]] = {}
         for i, gone in enumerate(evicted):
             widths.setdefault(gone.token_index.shape[-1], []).append(i)
         for width, members in widths.items():
             if width == 0:
                 for i in members:
-                    merged[i] = torch.zeros(layers[i].token_index.shape[0], dtype=torch.long, device=layers[i].device)
+                    merged[i] = Merged(torch.zeros(layers[i].token_index.shape[0], dtype=torch.long,
+                                                   device=layers[i].device))
                 continue
-            counts = self._merge_stacked([layers[i] for i in members], [evicted[i] for i in members])
-            for i, count in zip(members, counts):
-                merged[i] = count
+            for i, result in zip(members, self._merge_stacked([layers[i] for i in members],
+                                                              [evicted[i] for i in members])):
+                merged[i] = result
         return merged
 
-    def _merge_stacked(self, layers: list, evicted: list[Evicted]) -> list[torch.Tensor]:
+    def _merge_stacked(self, layers: list, evicted: list[Evicted]) -> list[Merged]:
         """``merge`` for layers that evict E tokens per row and KV head each, rows of all stacked."""
         batch = evicted[0].token_index.shape[0]
         rows = [slice(i * batch, (i + 1) * batch) for i in range(len(layers))]
@@ -189,9 +188,6 @@ class SimilarityMerge:
         evicting = count > 0
         history = torch.where(evicting, tau, math.nan)
         tau = torch.where(evicting, tau, previous)
-        for layer, row_tau, row_history in zip(layers, tau.split(batch), history.split(batch)):
-            layer.state.tau = row_tau
-            layer.state.tau_history.append(row_history)
 
         if self.decision == "per_head":
             merged = (best >= tau[:, None, None]) & gone
@@ -199,17 +195,19 @@ class SimilarityMerge:
             merged = ((best * gone).mean(1, keepdim=True) >= tau[:, None, None]) & gone
             merged = merged.expand_as(best)
         absorbed = [layer.slot_state.get(MERGES) for layer in layers]
-        for i, layer in enumerate(layers):
-            if absorbed[i] is None:
-                absorbed[i] = layer.slot_state[MERGES] = torch.zeros(layer.token_index.shape, dtype=torch.int32,
-                                                                     device=layer.device)
+        absorbed = [torch.zeros(layer.token_index.shape, dtype=torch.int32, device=layer.device) if slots is None
+                    else slots.clone() for layer, slots in zip(layers, absorbed)]
         if self.max_merges is not None:
             already = _stack([slots.gather(2, target[row]) for slots, row in zip(absorbed, rows)])
             merged = merged & (already + rank_within_target(target, merged, best) < self.max_merges)
-        self._fold(layers, evicted, rows, best, target, merged)
-        for slots, row_target, row_merged in zip(absorbed, target.split(batch), merged.int().split(batch)):
-            slots.scatter_add_(2, row_target, row_merged)
-        return list(merged.sum((1, 2)).split(batch))
+        results = self._fold(layers, evicted, rows, best, target, merged)
+        for result, layer, slots, row_target, row_merged, row_tau, row_history, count in zip(
+                results, layers, absorbed, target.split(batch), merged.int().split(batch), tau.split(batch),
+                history.split(batch), merged.sum((1, 2)).split(batch)):
+            result.count = count
+            result.slot_state[MERGES] = slots.scatter_add_(2, row_target, row_merged)
+            result.state = replace(layer.state, tau=row_tau, tau_history=[*layer.state.tau_history, row_history])
+        return results
 
     def _barred(self, layer) -> torch.Tensor:
         """(B, G, N) bool: the slots that may not absorb evicted tokens: empty ones (index -1), the
@@ -231,17 +229,22 @@ class SimilarityMerge:
             return (kept >= index - self.min_distance) & (kept <= index + self.min_distance)
         return near
 
-    def _fold(self, layers: list, evicted: list[Evicted], rows: list[slice], best, target, merged) -> None:
-        """Write the merged vectors (unless ``blend`` is off) and, with ``mass``, the slots' new weights.
+    def _fold(self, layers: list, evicted: list[Evicted], rows: list[slice], best, target, merged) -> list[Merged]:
+        """The merged vectors (unless ``blend`` is off) and, with ``mass``, the slots' new weights, per layer.
 
         A kept slot c receiving tokens becomes (w_c * c + sum_e w_e * e) / (d_c + sum_e d_e), with the
         weights w and denominators d of ``weighting``; the others are left exactly as they are. The
         weights are computed for the stacked rows of all ``layers`` at once (``rows``: each one's).
         """
+        results = [Merged(count=None) for _ in layers]
         if self.counts_tokens:  # tokens each kept target and each evicted token stands for
-            kept_count = _stack([layer.weights().gather(2, target[row]) for layer, row in zip(layers, rows)]).exp()
+            weights = [layer.weights() for layer in layers]
+            kept_count = _stack([weight.gather(2, target[row]) for weight, row in zip(weights, rows)]).exp()
             gone_count = _stack([gone.log_weight.exp() if gone.log_weight is not None else torch.ones_like(best[row])
                                 for gone, row in zip(evicted, rows)])
+            for result, layer, weight in zip(results, layers, weights):
+                if layer.log_weight is None:  # a slot's token count, one each, from now on kept
+                    result.log_weight = weight
         if self.weighting == "paper":
             self_weight, source_weight = math.e, best.exp()
         elif self.weighting == "count":
@@ -257,33 +260,39 @@ class SimilarityMerge:
             self_weight, source_weight = 1.0, best
         source_weight = torch.where(merged, source_weight, 0.0)
         counts = merged.float() if self.weighting == "official" else source_weight
+        parts = ("values",) if self.values_only else ("keys", "values")
         if self.blend and target.shape[-1] == 1:  # a decode step: at most one evicted token per row and head
             # As shares of the denominator: a slot that absorbs nothing keeps exactly 1 x itself + 0.
             denominator = self_weight + counts
             own_share, source_share = (self_weight / denominator)[..., None], (source_weight / denominator)[..., None]
-            batch = target.shape[0] // len(layers)
-            slots = target.split(batch)
-            flat = [layer.rows_of(slot) for layer, slot in zip(layers, slots)]  # rows of the flat (B*G*N, D) views
-            for part in ("values",) if self.values_only else ("keys", "values"):
-                stored = [getattr(layer, part) for layer in layers]
-                current = as_dtype(_stack([take_rows(kept, index, slot.shape)
-                                           for kept, index, slot in zip(stored, flat, slots)]), torch.float32)
+            for part in parts:
+                kept = [getattr(layer, part) for layer in layers]
+                current = as_dtype(_stack([vectors.gather(2, target[row][..., None].expand(*target[row].shape,
+                                                                                           vectors.shape[-1]))
+                                           for vectors, row in zip(kept, rows)]), torch.float32)
                 sources = as_dtype(_stack([getattr(gone, part) for gone in evicted]), torch.float32)
-                blended = torch.addcmul(current * own_share, sources, source_share).to(stored[0].dtype)
-                for kept, index, new in zip(stored, flat, blended.split(batch)):
-                    kept.view(-1, kept.shape[-1]).index_copy_(0, index, new.view(-1, kept.shape[-1]))
+                blended = torch.addcmul(current * own_share, sources, source_share).to(kept[0].dtype)
+                for result, row in zip(results, rows):
+                    setattr(result, part, blended[row])
+            for result, row in zip(results, rows):
+                result.slots, result.changed = target[row], merged[row]
         elif self.blend:
-            for layer, gone, row in zip(layers, evicted, rows):
-                self._fold_many(layer, gone, target[row], merged[row], source_weight[row], counts[row])
+            for result, layer, gone, row in zip(results, layers, evicted, rows):
+                folded, result.changed = self._fold_many(layer, gone, target[row], merged[row], source_weight[row],
+                                                         counts[row], parts)
+                for part, vectors in folded.items():
+                    setattr(result, part, vectors)
         if self.mass:  # a slot's weight: the tokens it now stands for (as much of them as its attention says)
             stands_for = torch.where(merged, source_weight if self.weighting == "attention" else gone_count, 0.0)
-            for layer, row in zip(layers, rows):
-                weights, slots = layer.weights(), target[row]
-                added = torch.zeros_like(weights).scatter_add_(2, slots, stands_for[row])
-                layer.log_weight = torch.where(added > 0, (weights.exp() + added).log(), weights)
+            for result, weight, row in zip(results, weights, rows):
+                added = torch.zeros_like(weight).scatter_add_(2, target[row], stands_for[row])
+                result.log_weight = torch.where(added > 0, (weight.exp() + added).log(), weight)
+        return results
 
-    def _fold_many(self, layer, evicted: Evicted, target, merged, source_weight, counts) -> None:
-        """The fold of one layer evicting several tokens per row and head (several may share a target)."""
+    def _fold_many(self, layer, evicted: Evicted, target, merged, source_weight, counts,
+                   parts: tuple[str, ...]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """The fold of one layer evicting several tokens per row and head (several may share a
+        target): the new ``parts`` of every slot, and (B, G, N) which slots received tokens."""
         keys = layer.keys
         received = torch.zeros(keys.shape[:3], dtype=torch.int32, device=keys.device)
         received.scatter_add_(2, target, merged.int())
@@ -294,13 +303,15 @@ class SimilarityMerge:
         else:
             own = torch.full(keys.shape[:3], 1.0, device=keys.device)
         denominator = own.clone().scatter_add_(2, target, counts)
-        parts = ((layer.values, evicted.values),) if self.values_only else \
-            ((keys, evicted.keys), (layer.values, evicted.values))
-        for kept, sources in parts:
+        folded = {}
+        for part in parts:
+            kept, sources = getattr(layer, part), getattr(evicted, part)
             numerator = kept.float() * own[..., None]
             contribution = sources.float() * source_weight[..., None]
             numerator.scatter_add_(2, target[..., None].expand_as(contribution), contribution)
-            kept.copy_(torch.where(received[..., None] > 0, numerator / denominator[..., None], kept.float()))
+            folded[part] = torch.where(received[..., None] > 0, numerator / denominator[..., None],
+                                       kept.float()).to(kept.dtype)
+        return folded, received > 0
 
     def _attention(self, slot_state: dict, token_index: torch.Tensor, real_seen: torch.Tensor) -> torch.Tensor:
         """(B, G, n) the attention the slots of ``slot_state`` received, as ``attention`` says."""

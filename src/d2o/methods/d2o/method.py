@@ -17,12 +17,12 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from d2o.budget import UNLIMITED, Budget
-from d2o.engine.policy import Merge
-from d2o.errors import D2OError
-from d2o.methods.allocation import Allocation, ExponentialDecay, InverseVariance, Pyramid, Uniform, layer_density
-from d2o.methods.base import register, register_variant
+from d2o.engine.api import Allocated, Merge, Observed
+from d2o.methods.allocation import Allocation, InverseVariance, layer_density
+from d2o.methods.base import register
 from d2o.methods.d2o.merging import MergeState, SimilarityMerge
 from d2o.methods.h2o import H2O
+from d2o.methods.scoring import MASS
 
 
 @register
@@ -49,9 +49,10 @@ class OfficialState(MergeState):
     recent: torch.Tensor | None = None  # (B,) newest tokens kept, fixed at allocation
 
 
+@register
 @dataclass
 class D2OOfficial(D2O):
-    """The released code's choices (``parity="official"``, verified step by step against it), to reproduce
+    """The released code's choices (verified step by step against it), to reproduce
     published numbers: compression at the first decode step (its query's attention included);
     layer ratios clamp(L * rho * softmax(-F), 0.01, 1) over all layers, exempt ones included (their
     share is lost); heavy and recent parts floor((S + 1) * part) separately, split 1:1; layers 0, 1
@@ -83,12 +84,15 @@ class D2OOfficial(D2O):
             return budget
         return replace(budget, min_tokens=0)
 
-    def observe(self, layer, stats) -> None:
-        super().observe(layer, stats)
+    def observe(self, layer, stats) -> Observed:
+        observed = super().observe(layer, stats)
         if layer.cache.forwards == 0:  # the prefill: its attention alone gives F_l, as in the released code
-            layer.state.density = layer_density(layer)
+            mass = layer.slot_state.get(MASS)
+            added = observed.added[MASS]
+            observed.state = replace(layer.state, density=layer_density(layer, added if mass is None else mass + added))
+        return observed
 
-    def allocate(self, cache, totals: torch.Tensor) -> torch.Tensor:
+    def allocate(self, cache, totals: torch.Tensor) -> Allocated:
         n_layers = len(cache.compressible)  # the layers a budget shares (not sliding-window ones)
         exempt = set(self.exempt_among(cache.n_layers, cache.compressible))
         density = torch.stack([cache.layers[i].state.density for i in cache.compressible], dim=-1)  # (B, L)
@@ -101,48 +105,14 @@ class D2OOfficial(D2O):
         recent_part = ((seen[:, None] * ratios * recent / (scored + recent)).floor()).long()
         budgets = torch.full((len(seen), cache.n_layers), UNLIMITED, dtype=torch.long)
         budgets[:, cache.compressible] = (heavy + recent_part).clamp_min(self.min_layer_budget).cpu()
+        states = {}
         for position, i in enumerate(cache.compressible):
-            cache.layers[i].state.recent = recent_part[:, position]
+            states[i] = replace(cache.layers[i].state, recent=recent_part[:, position])
             if i in exempt:
                 budgets[:, i] = UNLIMITED
-        return budgets
+        return Allocated(budgets, states)
 
     def protected(self, layer, target: torch.Tensor) -> torch.Tensor:
         index = layer.token_index
         recent_from = layer.real_seen - torch.minimum(layer.state.recent, target - self.n_sinks)
         return (index >= 0) & ((index < self.n_sinks) | (index >= recent_from[:, None, None]))
-
-
-register(D2OOfficial)
-
-
-def build_d2o(parity: str | None = None, **options) -> D2O:
-    """``d2o`` by name: the library's D2O, or with ``parity="official"`` the released code's."""
-    if parity is None:
-        return D2O(**options)
-    if parity == "official":
-        return D2OOfficial(**options)
-    raise D2OError(f"parity={parity!r} must be 'official' (the released code's choices) or omitted")
-
-
-register_variant("d2o", D2O.summary, build_d2o, D2O)
-
-
-def variant(name: str, summary: str, cls: type[D2O] = D2O, **defaults) -> None:
-    """Register ``cls`` under ``name`` with other defaults (each a function making the value): an
-    ablation, listed by ``d2o methods --all``."""
-    register_variant(
-        name, summary, lambda **options: cls(**{**{k: v() for k, v in defaults.items()}, **options}), cls,
-        ablation=True,
-    )
-
-
-variant("d2o-uniform", "D2O ablation: the same budget in every layer (no layer-level allocation)",
-         allocation=Uniform)
-variant("d2o-nomerge", "D2O ablation: evicted tokens are dropped, not merged", merge=lambda: None)
-variant("d2o-valuesim", "D2O ablation: merge by similarity of values instead of keys",
-         merge=lambda: SimilarityMerge(on="value"))
-variant("d2o-expdecay", "D2O ablation: layer budgets decaying exponentially with depth",
-         allocation=ExponentialDecay)
-variant("d2o-pyramid", "D2O ablation: layer budgets falling linearly with depth (PyramidKV's)",
-         allocation=Pyramid)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from d2o.engine.policy import Merge
+from d2o.engine.api import Merge
 from d2o.methods.base import register
 from d2o.methods.d2o.method import D2O
 from d2o.methods.d2o.plus import attention_weighted_merge

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from d2o.engine.policy import Merge
+from d2o.engine.api import Merge
 from d2o.methods.base import register
 from d2o.methods.d2o.merging import SimilarityMerge
 from d2o.methods.d2o.method import D2O

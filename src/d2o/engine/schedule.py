@@ -1,0 +1,231 @@
+"""When a cache compresses and what it evicts: the end of every pass, budgets allocated once, layers
+brought back to them, evictions in batches of decode steps.
+
+After every forward pass (a ``hold`` counts as one) sliding-window layers are brought back to their
+window; at the first pass the policy compresses after, a policy that probes has its probe passes
+run, then ``allocate`` turns the budget's total into per-layer budgets; every layer over its budget
+then asks the policy for ``score`` and ``protected``. One token over (a decode step): the victim's
+slot is marked empty and the next token is written there. More: the kept slots are gathered into
+smaller tensors. With ``evict_every=k`` a row's layers run over their budgets while decoding until
+one reaches budget + k; then the slots over budget are only marked empty, every layer's merged in
+one call: they are the vacancies the next k tokens take.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from d2o.budget import UNLIMITED
+from d2o.engine.api import Evicted
+from d2o.engine.selection import evicted_slots, select_evicted, select_kept, select_victim
+from d2o.errors import D2OError
+from d2o.options import whole
+
+
+class _Newest:
+    """A sliding-window layer's rule, the stock cache's: keep the newest tokens."""
+
+    merge = None
+
+    @staticmethod
+    def score(layer) -> torch.Tensor:
+        return layer.token_index
+
+    @staticmethod
+    def protected(layer, target: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(layer.token_index, dtype=torch.bool)
+
+
+NEWEST = _Newest()
+
+
+class Schedule:
+    """A cache's compression: its counters (passes, holds, when a row may be due next) and the
+    decisions taken at the end of each pass."""
+
+    def __init__(self, cache, evict_every: int = 1):
+        if not whole(evict_every) or evict_every < 1:
+            raise D2OError(f"evict_every={evict_every!r} must be a whole number of steps >= 1")
+        self.cache = cache
+        self.evict_every = evict_every
+        self.holds = 0
+        self.restart()
+
+    def restart(self) -> None:
+        self.forwards = 0  # passes completed (a hold counts as one)
+        self.allocated = False
+        # Decoding in batches of steps: the tokens that can still be fed before a row may be due, and
+        # the tokens seen (padding included) when that was counted.
+        self.quiet = self.seen_at_check = 0
+
+    def end_of_forward(self) -> None:
+        if not self.holds:
+            self.forwards += 1
+            self.compress()
+
+    def end_of_hold(self) -> None:
+        self.forwards += 1  # the block was one pass (a prefill in chunks is one prefill)
+        for layer in self.cache.layers:
+            layer.carried_window = None
+        # Compress in the mode the passes ran in: inference tensors are written in place only in it.
+        first = self.cache.layers[0]
+        with torch.inference_mode(first.is_initialized and first.token_index.is_inference()):
+            self.compress()
+
+    def compress(self) -> None:
+        """Bring sliding-window layers back to their window; allocate budgets if it is time, then
+        bring every other layer over its budget back to it."""
+        if not self.cache.layers[0].is_initialized:
+            return
+        try:
+            self._compress()
+        finally:
+            for layer in self.cache.layers:
+                layer.settle()
+
+    def _compress(self) -> None:
+        cache, policy = self.cache, self.cache.policy
+        windowed = [layer for layer in cache.layers if layer.window is not None]
+        if windowed:
+            kept = torch.stack([layer.n_kept for layer in windowed])  # (L, B)
+            windows = torch.tensor([layer.window - 1 for layer in windowed], device=kept.device)
+            self._shrink_layers(windowed, kept, torch.minimum(kept, windows[:, None]), NEWEST)
+        decoding = self.allocated
+        if not self.allocated:
+            if self.forwards < policy.compress_after_forward:
+                return
+            if policy.probes and not cache.prober.probed and any(layer.observing for layer in cache.layers):
+                cache.prober.run(cache)
+            self._allocate()
+        elif not policy.evicts_during_decode:
+            return
+        layers = [cache.layers[index] for index in cache.compressible]
+        if not layers:  # every layer slides (the full cache of such a model)
+            return
+        seen = cache.layers[0].seen
+        added, self.seen_at_check = seen - self.seen_at_check, seen
+        if not self.may_evict_after(added):  # no row can have reached budget + evict_every yet
+            self.quiet -= added
+            return
+        batched = decoding and self.evict_every > 1
+        kept = torch.stack([layer.n_kept for layer in layers])
+        limit = self.limit(torch.stack([layer.budget for layer in layers]),
+                           torch.stack([layer.real_seen for layer in layers]))
+        target = torch.where(limit == UNLIMITED, kept, torch.minimum(limit, kept))
+        if batched:  # a row is brought back to its budgets when one of its layers reaches budget + evict_every
+            over = (kept - target).amax(0)
+            due = over >= self.evict_every
+            # Each pass of one token raises a layer's excess by one at most (a floor can only lower it):
+            # the passes until the next row is due need no count.
+            self.quiet = self.evict_every - 1 - int(torch.where(due, 0, over).max())
+            if not bool(due.any()):
+                return
+            target = torch.where(due, target, kept)
+        self._shrink_layers(layers, kept, target, policy, in_place=batched)
+
+    def may_evict_after(self, n_query: int) -> bool:
+        """Whether the pass running now (``n_query`` new tokens per row) may end in an eviction."""
+        return not (self.allocated and self.evict_every > 1 and self.cache.policy.evicts_during_decode
+                    and n_query <= self.quiet)
+
+    def _allocate(self) -> None:
+        cache = self.cache
+        prompt = cache.layers[0].real_seen
+        if cache.budget.unlimited:
+            budgets = torch.full((len(prompt), cache.n_layers), UNLIMITED, dtype=torch.long)
+        else:
+            layers = len(cache.compressible)
+            totals = torch.tensor([cache.budget.total(layers, int(n)) for n in prompt.tolist()], dtype=torch.long)
+            allocated = cache.policy.allocate(cache.view, totals)
+            budgets = allocated.budgets
+            for i, state in allocated.states.items():
+                cache.layers[i].state = state
+        for i, layer in enumerate(cache.layers):
+            layer.budget = budgets[:, i].to(layer.device)
+            layer.observing = (layer.window is None and cache.policy.evicts_during_decode
+                               and bool((layer.budget != UNLIMITED).any()))
+        self.allocated = True
+        cache.prober.forget()
+
+    def limit(self, budget: torch.Tensor, real_seen: torch.Tensor) -> torch.Tensor:
+        """Budgets (of one layer's rows, or every layer's) as they hold now: as allocated, never below
+        the floor ``min(seen, min_tokens)`` of a ratio budget (a row below the floor grows until it
+        reaches it); UNLIMITED stays."""
+        if self.cache.budget.ratio is None:
+            return budget
+        floor = real_seen.clamp_max(self.cache.budget.min_tokens)
+        return torch.where(budget == UNLIMITED, budget, torch.maximum(budget, floor))
+
+    def floor_decides(self, layer) -> torch.Tensor:
+        """(B,) bool: the floor, not the share of the ratio, set the layer's budget."""
+        budget = self.cache.budget
+        if budget.ratio is None or layer.budget is None or self.cache.policy.keeps_everything:
+            return torch.zeros_like(layer.real_seen, dtype=torch.bool)
+        floor = layer.real_seen.clamp_max(budget.min_tokens)
+        return (layer.budget != UNLIMITED) & (layer.budget <= floor)
+
+    def _shrink_layers(self, layers: list, kept: torch.Tensor, target: torch.Tensor, chooser,
+                       in_place: bool = False) -> None:
+        """Bring each of ``layers`` from ``kept`` to ``target`` tokens per row ((L, B) each), keeping
+        what ``chooser`` (the policy, or the window's rule) scores and protects; its merge, if it has
+        one, folds what left into what stayed. The layers of a decode step (one token each per row and
+        KV head, or k when evicting every k steps) go to the merge in one call, which may decide them
+        together; a larger eviction (the prefill's) is merged as soon as its layer is shrunk, so that
+        one layer's copies are held at a time. ``in_place``: decoding in batches of steps (the evicted
+        slots of a decode step are emptied where they are)."""
+        excess = kept - target
+        most, fewest = excess.amax(-1).tolist(), excess.amin(-1).tolist()
+        merging = []
+        for layer, row_target, row_excess, n_most, n_fewest in zip(layers, target.unbind(), excess.unbind(), most,
+                                                                     fewest):
+            if n_most <= 0:
+                continue
+            # Evicted slots are emptied where they are only after a pass of one token (a decode step).
+            in_step = in_place and layer.owns_storage and layer.written is not None
+            evicted = self._shrink(layer, row_target, row_excess, n_most, n_fewest, chooser, in_step)
+            if evicted is None:
+                continue
+            if n_most == 1 or in_step:  # a few tokens per layer: all layers' are merged together
+                merging.append((layer, evicted))
+            else:
+                layer.apply_merged(chooser.merge.merge([layer.view], [evicted])[0])
+                layer.settle()  # a quantized layer's full-precision copy goes before the next is made
+        if merging:
+            merged_layers, evicted = zip(*merging)
+            results = chooser.merge.merge([layer.view for layer in merged_layers], list(evicted))
+            for layer, merged in zip(merged_layers, results):
+                layer.apply_merged(merged)
+
+    def _shrink(self, layer, target: torch.Tensor, excess: torch.Tensor, most: int, fewest: int, chooser,
+                in_place: bool = False) -> Evicted | None:
+        """Bring ``layer`` down to ``target`` (B,) tokens per row, ``excess`` (B,) fewer than it holds
+        (``most`` and ``fewest`` of them); return what left (copies) when the chooser's merge is to
+        fold it in, else None. A decode step evicts at most one token per row and KV head: its slot is
+        only marked empty. A larger eviction gathers the kept slots into new tensors, but one of a
+        decode step evicting in batches of steps (``in_place``), whose slots are marked empty."""
+        scores, protected = chooser.score(layer.view), chooser.protected(layer.view, target)
+        if scores.dtype != torch.float32:
+            scores = scores.float()
+        merge = chooser.merge
+        evicted = None
+        if most == 1 and layer.owns_storage:
+            rows = None if fewest == 1 else excess > 0
+            victim = select_victim(scores, protected, layer.token_index)
+            if merge is not None:
+                evicted = layer.evicted(victim, (excess > 0)[:, None], merge.reads, merge.vectors)
+            layer.drop(victim, rows)
+        elif in_place:  # the evicted slots are emptied where they are, for the next tokens to fill
+            slots, valid = select_evicted(scores, protected, layer.token_index, excess)
+            if merge is not None:
+                evicted = layer.evicted(slots, valid, merge.reads, merge.vectors)
+            layer.drop_many(slots, valid)
+        else:  # a longer input was appended: the kept slots are gathered, k empty ones after them
+            keep, keep_valid = select_kept(scores, protected, layer.token_index, target)
+            if merge is not None:
+                evicted = layer.evicted(*evicted_slots(layer.valid, keep, keep_valid, target), merge.reads,
+                                        merge.vectors)
+            # The layer is then as wide as it will be when decoding (budget + evict_every).
+            policy = self.cache.policy
+            batched = self.evict_every > 1 and chooser is policy and policy.evicts_during_decode
+            layer.keep(keep, keep_valid, slack=self.evict_every if batched else 0)
+        return evicted

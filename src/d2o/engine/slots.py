@@ -1,0 +1,203 @@
+"""A layer's per-slot fields as one table, and the vacancies decoding writes into.
+
+Every field of a ``SlotTable`` is (B, G, N, ...): rows of the batch, stored KV heads, slots. The
+fields are listed here, once: how the keys and values are stored (``vectors``: keys and values, or
+their packed parts), the index of the token each slot holds among its row's real tokens
+(``token_index``; -1: an empty slot), the log of how many tokens each slot stands for
+(``log_weight``; None: one each) and the method's state (``state``, by name). Gathering, selecting
+rows, padding, joining, copying, snapshots and state dicts map over them all; an empty slot holds
+-1 as its token index and zeros everywhere else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from d2o.engine.selection import take_flat, take_slots
+
+EMPTY_INDEX = -1  # the token index of an empty slot (every other field holds zeros there)
+
+
+def _with_empty_slots(tensor: torch.Tensor, count: int, fill) -> torch.Tensor:
+    """``tensor`` (B, G, N, ...) with ``count`` more slots holding ``fill`` (itself when none)."""
+    if count <= 0:
+        return tensor
+    return torch.cat([tensor, tensor.new_full((*tensor.shape[:2], count, *tensor.shape[3:]), fill)], dim=2)
+
+
+class SlotTable:
+    """A layer's per-slot fields (see the module)."""
+
+    def __init__(self, vectors: dict[str, torch.Tensor], token_index: torch.Tensor,
+                 log_weight: torch.Tensor | None = None, state: dict[str, torch.Tensor] | None = None):
+        self.vectors, self.token_index, self.log_weight = vectors, token_index, log_weight
+        self.state = {} if state is None else state
+
+    def fields(self):
+        """Every field as ``(kind, name, tensor)``: vectors, token_index, log_weight, state."""
+        yield from (("vectors", name, tensor) for name, tensor in self.vectors.items())
+        yield "token_index", "token_index", self.token_index
+        if self.log_weight is not None:
+            yield "log_weight", "log_weight", self.log_weight
+        yield from (("state", name, tensor) for name, tensor in self.state.items())
+
+    def map(self, fn) -> SlotTable:
+        """A new table of ``fn(tensor, fill)`` for every field (``fill``: what an empty slot holds)."""
+        return SlotTable({name: fn(tensor, 0) for name, tensor in self.vectors.items()},
+                         fn(self.token_index, EMPTY_INDEX),
+                         None if self.log_weight is None else fn(self.log_weight, 0),
+                         {name: fn(tensor, 0) for name, tensor in self.state.items()})
+
+    @property
+    def width(self) -> int:
+        return self.token_index.shape[2]
+
+    def take(self, slots: torch.Tensor, valid: torch.Tensor | None = None, slack: int = 0) -> SlotTable:
+        """The slots ``slots`` (B, G, K), gathered into new tensors; where ``valid`` (B, K) is False
+        (a row keeping fewer than K) they are emptied; ``slack`` empty slots more after them."""
+        empty = None if valid is None or bool(valid.all()) else ~valid[:, None, :]
+
+        def gather(tensor: torch.Tensor, fill) -> torch.Tensor:
+            taken = take_slots(tensor, slots)
+            if empty is not None and (fill == -1 or any(tensor is v for v in self.vectors.values())):
+                taken.masked_fill_(empty.view(*empty.shape, *(1,) * (taken.dim() - 3)), fill)
+            return _with_empty_slots(taken, slack, fill)
+
+        return self.map(gather)
+
+    def select_rows(self, index: torch.Tensor) -> SlotTable:
+        return self.map(lambda tensor, _: tensor.index_select(0, index))
+
+    @staticmethod
+    def join(tables: list[SlotTable]) -> SlotTable:
+        """The rows of ``tables`` one after the other, each padded with empty slots to the widest; a
+        field one table lacks (state a method sets late, a log weight) is zeros there."""
+        width = max(table.width for table in tables)
+
+        def cat(parts: list, fill) -> torch.Tensor:
+            example = next(part for part in parts if part is not None)
+            return torch.cat([_with_empty_slots(example.new_zeros((*table.token_index.shape, *example.shape[3:]))
+                                                if part is None else part, width - table.width, fill)
+                              for part, table in zip(parts, tables)])
+
+        def named(dicts: list[dict]) -> dict[str, torch.Tensor]:
+            return {name: cat([fields.get(name) for fields in dicts], 0)
+                    for name in dict.fromkeys(name for fields in dicts for name in fields)}
+
+        weights = [table.log_weight for table in tables]
+        return SlotTable(named([table.vectors for table in tables]),
+                         cat([table.token_index for table in tables], EMPTY_INDEX),
+                         None if all(weight is None for weight in weights) else cat(weights, 0),
+                         named([table.state for table in tables]))
+
+    def shared(self) -> SlotTable:
+        """A table sharing the vectors and token indices (neither then written in place), with copies
+        of what is accumulated into (log weights, state)."""
+        return SlotTable(dict(self.vectors), self.token_index,
+                         None if self.log_weight is None else self.log_weight.clone(),
+                         {name: state.clone() for name, state in self.state.items()})
+
+    def forked(self, prefix: str) -> SlotTable:
+        """Another method's table over the same vectors and tokens: the state under ``prefix``, renamed
+        and copied (``CompressedCache.fork``)."""
+        return SlotTable(dict(self.vectors), self.token_index,
+                         state={name[len(prefix):]: state.clone() for name, state in self.state.items()
+                                if name.startswith(prefix)})
+
+    def grow(self, token_index: torch.Tensor) -> None:
+        """Append the slots of tokens whose vectors were appended already: their token indices
+        (B, G, q) given, the other fields zeros."""
+        count = token_index.shape[2]
+        self.token_index = torch.cat([self.token_index, token_index], dim=2)
+        if self.log_weight is not None:
+            self.log_weight = _with_empty_slots(self.log_weight, count, 0)
+        self.state = {name: _with_empty_slots(state, count, 0) for name, state in self.state.items()}
+
+    def restored(self, snapshot: SlotTable) -> SlotTable:
+        """The table as it was at ``snapshot`` (a shallow copy), but for what the passes since wrote
+        into the state of its slots (a probe's statistics)."""
+        width = snapshot.width
+        return SlotTable(dict(snapshot.vectors), snapshot.token_index, snapshot.log_weight,
+                         {name: state[:, :, :width].contiguous() for name, state in self.state.items()})
+
+    def snapshot(self) -> SlotTable:
+        return SlotTable(dict(self.vectors), self.token_index, self.log_weight, dict(self.state))
+
+    def copies(self, rows: torch.Tensor, shape: torch.Size, states: tuple[str, ...] | None) -> dict:
+        """Copies of the token indices, log weights and ``states`` (None: all) of some slots, given as
+        ``rows`` of the flat views ((B * G * N, ...)), each shaped ``shape`` (B, G, K)."""
+        return {"token_index": take_flat(self.token_index, rows, shape),
+                "log_weight": None if self.log_weight is None else take_flat(self.log_weight, rows, shape),
+                "slot_state": {name: take_flat(state, rows, shape) for name, state in self.state.items()
+                               if states is None or name in states}}
+
+    def clear(self, rows: torch.Tensor) -> None:
+        """Zero the state and log weight of the slots at ``rows`` of the flat views, in place."""
+        for state in self.state.values():
+            flat(state).index_fill_(0, rows, 0)
+        if self.log_weight is not None:
+            self.log_weight.view(-1).index_fill_(0, rows, 0)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The fields by name: ``stored.NAME`` (vectors), ``token_index``, ``log_weight``, ``slot.NAME``."""
+        prefixes = {"vectors": "stored.", "state": "slot."}
+        return {prefixes.get(kind, "") + name: tensor for kind, name, tensor in self.fields()}
+
+    @classmethod
+    def from_state_dict(cls, tensors: dict[str, torch.Tensor]) -> SlotTable:
+        def named(prefix: str) -> dict[str, torch.Tensor]:
+            return {name[len(prefix):]: tensor for name, tensor in tensors.items() if name.startswith(prefix)}
+
+        return cls(named("stored."), tensors["token_index"], tensors.get("log_weight"), named("slot."))
+
+    @property
+    def vector_bytes(self) -> int:
+        return sum(tensor.nbytes for tensor in self.vectors.values())
+
+    @property
+    def bookkeeping_bytes(self) -> int:
+        """Bytes of the token indices, log weights and state."""
+        return sum(tensor.nbytes for kind, _, tensor in self.fields() if kind != "vectors")
+
+
+def flat(tensor: torch.Tensor) -> torch.Tensor:
+    """A (B, G, N, ...) tensor as (B * G * N, rest): a view, so writes into it land in ``tensor``."""
+    return tensor.view(tensor.shape[0] * tensor.shape[1] * tensor.shape[2], -1)
+
+
+@dataclass
+class Vacancies:
+    """The slots an eviction emptied in every row and KV head, each step's ready to write into: the
+    next tokens take them in order. Per step: ``slots`` (B, G, 1) (the token's slot in each row and
+    head); ``bias_slots`` (B, G, 1, 1) and ``key_slots``/``value_slots`` (B, G, 1, D), the same slots
+    as scatter indices into the logit bias, the keys and the values; ``token_index`` (B, G, 1) the
+    index the token gets and ``real_seen`` (B,) the row's tokens after it, if every token up to it
+    is real (the prepared ones count so; a padded step computes them)."""
+
+    slots: tuple[torch.Tensor, ...]
+    bias_slots: tuple[torch.Tensor, ...]
+    key_slots: tuple[torch.Tensor, ...]
+    value_slots: tuple[torch.Tensor, ...]
+    token_index: tuple[torch.Tensor, ...]
+    real_seen: tuple[torch.Tensor, ...]
+    taken: int = 0
+    counted: bool = True  # False once a step had padding: its prepared indices no longer hold
+
+    @classmethod
+    def of(cls, slots: torch.Tensor, real_seen: torch.Tensor, key_dim: int, value_dim: int) -> Vacancies:
+        """The vacancies ``slots`` (B, G, E) of a layer whose rows have seen ``real_seen`` (B,) tokens."""
+        batch, heads, count = slots.shape
+        steps = torch.arange(count, device=slots.device)
+        key_slots = slots[..., None].expand(batch, heads, count, key_dim).split(1, 2)
+        value_slots = key_slots if value_dim == key_dim else \
+            slots[..., None].expand(batch, heads, count, value_dim).split(1, 2)
+        return cls(slots=slots.split(1, 2), bias_slots=slots[:, :, None, :].split(1, 3), key_slots=key_slots,
+                   value_slots=value_slots,
+                   token_index=(real_seen[:, None, None] + steps).expand(batch, heads, count).split(1, 2),
+                   real_seen=(real_seen[None, :] + steps[:, None] + 1).unbind(0))
+
+    @property
+    def left(self) -> int:
+        return len(self.slots) - self.taken
