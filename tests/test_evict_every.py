@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import byte_tokenizer, make_cache, random_ids, tiny_model
+from conftest import byte_tokenizer, greedy, left_pad, make_cache, random_ids, tiny_model
 
 import d2o
 from d2o.runtime.memory import peak_slots, plan
@@ -148,3 +148,30 @@ def test_chunks_fed_after_compression_are_evicted_back_to_budget_plus_k_not_left
                 assert int(layer.n_kept[0]) == int(layer.budget[0])
                 assert layer.keys.shape[2] == int(layer.budget[0]) + k
 
+
+@pytest.mark.parametrize("method", ["h2o", "d2o-plus", "roco"])
+def test_a_padded_rows_new_tokens_start_from_nothing_in_its_empty_tail(method):
+    """A row keeping fewer slots than its batch's widest has empty ones after its kept ones, where
+    its next tokens go: they start with no state of their own, as the row's alone do (the state each
+    slot holds, token by token, equals the row's alone)."""
+    model = tiny_model("llama", dtype=torch.float64)
+    prompts = [random_ids(n, seed=n)[0] for n in (140, 96, 120)]
+    ids, mask = left_pad(prompts)
+
+    def cache_of():
+        return d2o.CompressedCache(model, d2o.get_method(method), d2o.Budget(ratio=0.5, min_tokens=0), evict_every=8)
+
+    batch = cache_of()
+    greedy(model, ids, batch, steps=5, mask=mask)  # 4 tokens written into the empty tails, no eviction yet
+    for row, prompt in enumerate(prompts):
+        alone = cache_of()
+        greedy(model, prompt[None], alone, steps=5)
+        for mine, theirs in zip(batch.layers, alone.layers):
+            for name, state in theirs.slot_state.items():
+                for head in range(state.shape[1]):
+                    held, theirs_held = mine.token_index[row, head], theirs.token_index[0, head]
+                    order = held.argsort()[(held < 0).sum():]
+                    theirs_order = theirs_held.argsort()[(theirs_held < 0).sum():]
+                    assert torch.equal(held[order], theirs_held[theirs_order])
+                    torch.testing.assert_close(mine.slot_state[name][row, head][order],
+                                               state[0, head][theirs_order], rtol=0, atol=1e-12)

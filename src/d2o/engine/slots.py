@@ -61,7 +61,7 @@ class SlotTable:
 
         def gather(tensor: torch.Tensor, fill) -> torch.Tensor:
             taken = take_slots(tensor, slots)
-            if empty is not None and (fill == -1 or any(tensor is v for v in self.vectors.values())):
+            if empty is not None:
                 taken.masked_fill_(empty.view(*empty.shape, *(1,) * (taken.dim() - 3)), fill)
             return _with_empty_slots(taken, slack, fill)
 
