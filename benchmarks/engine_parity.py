@@ -5,8 +5,8 @@ For every registered method, on the embedded model and on tiny random Llama and 
 both protocols (the question in the prompt: a padded batch of 3 prompts; asked after compression:
 3 questions of different lengths on one compressed context), ``evict_every`` 1 and 8, ``kv_bits``
 none and 4: after the prefill and after every decode step, a digest of every layer's token
-indices, keys and values, and the tokens generated. Run it on each commit (the same script), then
-compare the two files:
+indices, keys and values, and the tokens generated. Run it on each commit (the same script, the
+same number of threads: float sums follow it), then compare the two files:
 
     python benchmarks/engine_parity.py --out before.json      # on the commit before
     python benchmarks/engine_parity.py --out after.json --against before.json

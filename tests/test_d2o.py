@@ -487,7 +487,7 @@ def test_layers_merged_in_one_call_equal_each_merged_alone(merge):
             victim = torch.randint(0, n, (batch, heads, 1), generator=draw)
             evicting = torch.tensor([True, i != 1])  # row 1 of layer 1 evicts nothing
             evicted = layer.evicted(victim, evicting[:, None], vectors=merge.vectors)
-            layer.drop(victim, None if bool(evicting.all()) else evicting)
+            layer.drop(victim, None if bool(evicting.all()) else evicting[:, None])
             made.append((layer, evicted))
         return made
 

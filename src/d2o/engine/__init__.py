@@ -1,4 +1,1 @@
-"""The engine: compressed KV storage, the attention hook, exact chunked statistics, selection.
-
-It runs any ``Policy`` and names no method: methods live above it, in ``d2o.methods``.
-"""
+"""The engine: compressed KV storage, the attention hook, exact statistics; methods live in ``d2o.methods``."""

@@ -1,16 +1,14 @@
-"""The boundary between the engine and the methods: what a method is asked, what it may read, and
-what it returns. A method imports this module and nothing else of the engine; it imports nothing
-else of the engine either.
+"""The boundary between the engine and the methods: what a method is asked, what it may read and what
+it returns. A method imports this module and nothing else of the engine, and this module imports
+nothing else of it.
 
-The engine calls a ``Policy``, in order: ``stats_request`` and ``observe`` in every attention call
-(which statistics to compute; what the method makes of them); ``observe_tokens`` after a pass, if
-it scores by surprisal; ``probe`` when compression starts, if it ``probes`` (more tokens run
-through the model and observed, then taken out); ``allocate`` once (each layer's budget per row);
-then for every layer over its budget ``score`` and ``protected`` (which slots stay) and, with a
-``merge``, ``merge.merge`` (what becomes of the evicted tokens). A method reads a layer through a
-``LayerView`` and the cache through a ``CacheView``, and returns what it changes (``Observed``,
-``TokenValues``, ``Allocated``, ``Merged``): only the layer writes its storage, so a layer that
-stores keys and values packed knows exactly which slots to encode again.
+The engine calls a ``Policy``, in order: ``stats_request`` and ``observe`` in every attention call;
+``observe_tokens`` after a pass, if it scores by surprisal; ``probe`` when compression starts, if
+it ``probes`` (passes run, observed, then taken out); ``allocate`` once; then for every layer over
+its budget ``score`` and ``protected`` and, with a ``merge``, ``merge.merge``. A method reads a
+``LayerView`` and a ``CacheView`` and returns what it changes (``Observed``, ``TokenValues``,
+``Allocated``, ``Merged``): only the layer writes its storage, so a layer storing keys and values
+packed knows which slots to encode again. Slots are (B, G, N): rows, stored KV heads, slots.
 """
 
 from __future__ import annotations
@@ -22,21 +20,19 @@ from typing import Any, Mapping, Protocol
 
 import torch
 
-# Bytes of one value of slot state (float32 scores, int32 counts), whatever the model's dtype.
-STATE_VALUE_BYTES = 4
+STATE_VALUE_BYTES = 4  # bytes of one value of slot state (float32 scores, int32 counts), whatever the dtype
 
 
 def as_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``tensor.to(dtype)`` without the call when it has that dtype already (a decode step makes a
-    few hundred such conversions, nearly all of them no-ops)."""
+    """``tensor.to(dtype)`` without the call when it has that dtype (a decode step makes hundreds)."""
     return tensor if tensor.dtype == dtype else tensor.to(dtype)
 
 
 @dataclass(frozen=True)
 class StatsRequest:
     """What a method needs from one pass of one layer. ``visible`` (B, G, N) bool, if given, restricts
-    the softmax of the statistics (not of the output) to those slots and the pass's own tokens:
-    KVzip scores each reconstructed chunk of a context against that chunk alone."""
+    the statistics' softmax (not the output's) to those slots and the pass's own tokens (KVzip scores
+    a reconstructed chunk against that chunk alone)."""
 
     column_mass: bool = False  # attention each slot received, summed over this pass's real queries
     window: int = 0  # attention rows of the last `window` queries
@@ -46,17 +42,16 @@ class StatsRequest:
 
     @property
     def columns(self) -> bool:
-        """True when every query row's probabilities are needed (column mass or maximum)."""
+        """Every query row's probabilities are needed (column mass or maximum)."""
         return self.column_mass or self.column_max
 
 
 @dataclass
 class AttentionStats:
-    """Statistics of one pass of one layer, per query head grouped by KV head. ``column_mass``,
-    ``column_max``: (B, G, group, N) float32; ``window``: (B, G, group, w, N) float32, the rows of the
-    last w queries (padding queries' rows are zero); ``output``: (B, q, H, D), the attention's output
-    when the statistics computed it; ``queries`` (B, H, q, D): the pass's queries after RoPE,
-    unscaled, ``query_index`` (B, q) their token indices (-1: padding), ``scaling`` the logits' factor."""
+    """One pass of one layer, per query head grouped by KV head: ``column_mass``, ``column_max``
+    (B, G, group, N) float32; ``window`` (B, G, group, w, N), the last w queries' rows (padding's are
+    zero); ``output`` (B, q, H, D) when computed with them; ``queries`` (B, H, q, D) after RoPE,
+    unscaled, their token ``query_index`` (B, q) (-1: padding) and the logits' ``scaling``."""
 
     n_query: int
     column_mass: torch.Tensor | None = None
@@ -70,10 +65,9 @@ class AttentionStats:
 
 @dataclass
 class RowState:
-    """Base of a method's per-layer state, whose fields hold one entry per row of the batch: a tensor
-    field is (batch, ...) (None until set), a list field a history of (batch,) tensors, one per event.
-    Selecting rows, joining caches and saving map every field so: a method's state needs no code of
-    its own for them; in a join, what a cache had not set yet is NaN for its rows."""
+    """Base of a method's per-layer state: a tensor field is (batch, ...) (None until set), a list
+    field a history of (batch,) tensors. Selecting rows, joining caches (what a cache had not set is
+    NaN for its rows) and saving map every field: a method's state needs no code for them."""
 
     def map_rows(self, fn) -> RowState:
         """``fn`` (a function of a (batch, ...) tensor) applied to every per-row tensor."""
@@ -98,17 +92,15 @@ class RowState:
         tensors, layout = {}, {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, torch.Tensor):
-                tensors[f.name], layout[f.name] = value, "tensor"
-            elif isinstance(value, list):
+            if isinstance(value, list):
                 tensors.update({f"{f.name}.{i}": item for i, item in enumerate(value)})
-                layout[f.name] = len(value)
-            else:
-                layout[f.name] = {"value": value}
+            elif isinstance(value, torch.Tensor):
+                tensors[f.name] = value
+            layout[f.name] = len(value) if isinstance(value, list) else \
+                "tensor" if isinstance(value, torch.Tensor) else {"value": value}
         return tensors, layout
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor], layout: dict[str, Any]) -> RowState:
-        """This state with the fields ``state_dict`` gave."""
         return replace(self, **{name: tensors[name] if kind == "tensor" else kind["value"] if isinstance(kind, dict)
                                 else [tensors[f"{name}.{i}"] for i in range(kind)] for name, kind in layout.items()})
 
@@ -125,17 +117,14 @@ def _cat_rows(parts: list, rows: list[int]):
 def _map_field(value, fn):
     if isinstance(value, torch.Tensor):
         return fn(value)
-    if isinstance(value, list):
-        return [fn(item) for item in value]
-    return value
+    return [fn(item) for item in value] if isinstance(value, list) else value
 
 
 @dataclass
 class ProbePass:
-    """Tokens run through the model after the prompt, observed, then taken out of the cache (KVzip's
-    reconstruction of a context): ``ids``, one list per row (an empty list sits the pass out);
-    ``spans``: per row, the prompt tokens [start, end) the pass is about; ``tag``: whose pass it is
-    (a policy combining others routes by it). While it runs, ``CacheView.probing`` is this pass."""
+    """Tokens run after the prompt, observed, then taken out (KVzip's reconstruction): ``ids``, one
+    list per row (empty: the row sits it out); ``spans``: per row, the prompt tokens [start, end) it
+    is about; ``tag``: whose pass it is. ``CacheView.probing`` is this pass while it runs."""
 
     ids: list[list[int]]
     spans: list[tuple[int, int]] | None = None
@@ -144,11 +133,9 @@ class ProbePass:
 
 @dataclass
 class Evicted:
-    """Tokens leaving a layer, per row and KV head, as they were stored (copies): ``keys``/``values``
-    (B, G, E, D), each None unless the merge reads it (``Merge.vectors``); ``token_index`` (B, G, E);
-    ``valid`` (B, E) (every KV head of a row evicts as many; row b's entries past its count are
-    padding); ``slot_state``: what ``Merge.reads`` of their slot state, (B, G, E, ...);
-    ``log_weight`` (B, G, E): the log of how many tokens each stands for (None: one each)."""
+    """Copies of the tokens leaving a layer: ``keys``/``values`` (B, G, E, D), each None unless the
+    merge reads it; ``token_index`` (B, G, E); ``valid`` (B, E) (every head of a row evicts as many;
+    past a row's count, padding); the ``slot_state`` the merge reads and ``log_weight``, (B, G, E, ...)."""
 
     keys: torch.Tensor | None
     values: torch.Tensor | None
@@ -160,9 +147,8 @@ class Evicted:
 
 @dataclass
 class Observed:
-    """What a method makes of a pass of a layer (``observe``): ``slot_state`` replaces those states
-    (B, G, N, ...); ``added`` is added to those (set where a layer has none yet); ``state`` is the
-    layer's new per-layer state (None: unchanged)."""
+    """What a method makes of a pass of a layer: ``slot_state`` replaces those states (B, G, N, ...),
+    ``added`` is added to those (set where none yet), ``state`` is the new per-layer state."""
 
     slot_state: dict[str, torch.Tensor] = field(default_factory=dict)
     added: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -171,9 +157,8 @@ class Observed:
 
 @dataclass
 class TokenValues:
-    """Values of the pass's new tokens (``observe_tokens``), (B, q) by slot-state name, written into
-    every layer at their slots; the older tokens' values of a name in ``decay`` are first
-    multiplied by its factor."""
+    """The new tokens' values (B, q) by slot-state name, written into every layer at their slots;
+    before, the older tokens' values of a name in ``decay`` are multiplied by its factor."""
 
     values: dict[str, torch.Tensor]
     decay: dict[str, float] = field(default_factory=dict)
@@ -181,8 +166,7 @@ class TokenValues:
 
 @dataclass
 class Allocated:
-    """Each layer's budget per row (B, L) (``UNLIMITED``: never evicts), and new per-layer states of
-    some layers (by index) that the allocation decided."""
+    """Each layer's budget per row (B, L) (``UNLIMITED``: never evicts), and new per-layer states."""
 
     budgets: torch.Tensor
     states: dict[int, RowState] = field(default_factory=dict)
@@ -190,11 +174,9 @@ class Allocated:
 
 @dataclass
 class Merged:
-    """What a merge changed in one layer: ``count`` (B,), the (token, KV head) pairs merged per row;
-    ``keys``/``values`` the new vectors of the slots ``slots`` (B, G, K, D at (B, G, K); ``slots``
-    None: of every slot), None where unchanged, of which only ``changed`` (B, G, K) really differ (a
-    layer storing them packed encodes those again; None: all); ``log_weight`` (B, G, N) and
-    ``slot_state`` (B, G, N, ...): the layer's new ones; ``state``: its new per-layer state."""
+    """What a merge changed in a layer: ``count`` (B,) pairs merged; new ``keys``/``values`` (B, G, K,
+    D) of the slots ``slots`` (B, G, K) (None: of every slot), of which only ``changed`` (B, G, K) may
+    differ (None: any); the layer's new ``log_weight`` (B, G, N), ``slot_state`` and ``state``."""
 
     count: torch.Tensor
     slots: torch.Tensor | None = None
@@ -211,8 +193,7 @@ def _read(name: str, doc: str) -> property:
 
 
 class LayerView:
-    """One layer as a method reads it. Slots are (B, G, N): rows of the batch, stored KV heads,
-    slots (in no order, nor the same in every head; keys are cached after RoPE)."""
+    """One layer as a method reads it."""
 
     def __init__(self, layer, cache: CacheView, slot_state: Mapping | None = None, state: Any = ...):
         self._of, self.cache = layer, cache
@@ -222,16 +203,10 @@ class LayerView:
         """This layer with other slot and per-layer states (a method's own, in a shared prefill)."""
         return LayerView(self._of, self.cache, slot_state, state)
 
-    @property
-    def slot_state(self) -> Mapping[str, torch.Tensor]:
-        """The method's per-slot state by name, (B, G, N, ...) each."""
-        return MappingProxyType(self._of.slot_state) if self._slot_state is None else self._slot_state
-
-    @property
-    def state(self) -> RowState | None:
-        """The method's per-layer state (``new_layer_state``)."""
-        return self._of.state if self._state is ... else self._state
-
+    slot_state = property(lambda view: MappingProxyType(view._of.slot_state) if view._slot_state is None
+                          else view._slot_state, doc="The method's per-slot state, (B, G, N, ...) by name.")
+    state = property(lambda view: view._of.state if view._state is ... else view._state,
+                     doc="The method's per-layer state (``new_layer_state``).")
     layer_idx = _read("layer_idx", "The layer's index in the model.")
     device = _read("device", "Where its tensors are.")
     token_index = _read("token_index", "(B, G, N) int64: each slot's token among its row's real ones (-1: empty).")
@@ -241,16 +216,12 @@ class LayerView:
     seen = _read("seen", "Tokens fed, padding included.")
     keys = _read("keys", "(B, G, N, D) keys after RoPE, in the model's dtype.")
     values = _read("values", "(B, G, N, D) values.")
-    log_weight = _read("log_weight", "(B, G, N) float32: the log of the tokens each slot stands for (None: one each).")
+    log_weight = _read("log_weight", "(B, G, N) float32: log of the tokens each slot stands for (None: one each).")
     merged = _read("merged", "(B,) evicted (token, KV head) pairs merged so far.")
 
     def weights(self) -> torch.Tensor:
-        """``log_weight``, or zeros where none has been set."""
+        """``log_weight``, or zeros where none is set."""
         return self._of.weights()
-
-    def fresh_slots(self, q: int) -> torch.Tensor:
-        """(B, G, q): the slots of the tokens the last pass added."""
-        return self._of.fresh_slots(q)
 
     def fresh_index(self, q: int) -> torch.Tensor:
         """(B, q): the token index of each token of the last pass (-1: padding)."""
@@ -258,7 +229,7 @@ class LayerView:
 
 
 class CacheView:
-    """The cache as a method reads it during a pass and at compression."""
+    """The cache as a method reads it."""
 
     def __init__(self, cache):
         self._of = cache
@@ -274,8 +245,7 @@ class CacheView:
     allocated = property(lambda view: view._of.schedule.allocated, doc="Whether the budgets are allocated.")
 
     def may_evict_after(self, n_query: int) -> bool:
-        """Whether the pass running now (``n_query`` new tokens per row) may end in an eviction (only
-        an eviction reads what the latest queries vote)."""
+        """Whether the pass running now (``n_query`` new tokens per row) may end in an eviction."""
         return self._of.schedule.may_evict_after(n_query)
 
     def rotary(self, layer_idx: int, positions: torch.Tensor, dtype: torch.dtype = torch.float32):
@@ -289,60 +259,40 @@ class Merge(Protocol):
     reads: tuple[str, ...]  # the slot states of the evicted tokens it reads (the engine copies only those)
     vectors: tuple[str, ...]  # which of their "keys" and "values" it reads (likewise)
 
-    def slot_state_bytes(self, group: int) -> int:
-        """Bytes it keeps per slot and stored KV head, at most (slot state and log weight);
-        ``group``: the query heads of each stored KV head."""
-
-    def new_state(self) -> RowState | None:
-        """Per-layer state of a new cache (e.g. a merge threshold per row)."""
-
-    def report(self, layer: LayerView) -> dict[str, list[Any]]:
-        """Per-layer diagnostics, one entry per row."""
+    def slot_state_bytes(self, group: int) -> int: ...  # per slot and stored KV head, at most
+    def new_state(self) -> RowState | None: ...  # per-layer state of a new cache (a threshold per row)
+    def report(self, layer: LayerView) -> dict[str, list[Any]]: ...  # per-layer diagnostics, one per row
 
     def merge(self, layers: list[LayerView], evicted: list[Evicted]) -> list[Merged]:
-        """Fold ``evicted[i]`` into the kept slots of ``layers[i]`` (which hold the kept tokens only),
-        for the layers one compression evicted from (a decode step: every layer at once)."""
+        """Fold ``evicted[i]`` into the kept slots of ``layers[i]``, for every layer one compression
+        evicted from (a decode step: every layer at once)."""
 
 
 class Policy(Protocol):
     """A compression method as the engine sees it (``d2o.methods.Method`` implements it)."""
 
     name: str
-    compress_after_forward: int  # compression starts after this many forward passes (1: the prefill)
+    compress_after_forward: int  # compression starts after this many passes (1: the prefill)
     evicts_during_decode: bool  # False: compress once, then let the cache grow
-    needs_surprisal: bool  # True: the engine computes every new token's surprisal for ``observe_tokens``
-    repeats_kv_heads: bool  # True: KV heads stored once per query head (the released D2O code's storage)
+    needs_surprisal: bool  # True: every new token's surprisal goes to ``observe_tokens``
+    repeats_kv_heads: bool  # True: KV heads stored once per query head (the released D2O's storage)
     keeps_everything: bool  # True: the budget is ignored (the full cache), and reported as none
-    probes: bool  # True: the cache records the prompt's token ids and runs ``probe``'s passes before compressing
+    probes: bool  # True: the prompt's ids are recorded and ``probe``'s passes run before compressing
     merge: Merge | None
 
-    def budget_for(self, budget) -> Any:
-        """The budget a cache of this policy holds when given ``budget``."""
-
-    def new_layer_state(self) -> RowState | None:
-        """The method's own per-layer state for a new cache (None if it keeps none)."""
-
-    def slot_state_bytes(self, group: int) -> int:
-        """Bytes of state it keeps per slot and stored KV head, at most (a memory plan counts them)."""
-
+    def budget_for(self, budget) -> Any: ...  # the budget a cache of this policy holds when given one
+    def new_layer_state(self) -> RowState | None: ...
+    def slot_state_bytes(self, group: int) -> int: ...  # per slot and stored KV head, at most
     def stats_request(self, layer: LayerView, n_query: int) -> StatsRequest | None: ...
-
     def observe(self, layer: LayerView, stats: AttentionStats) -> Observed | None: ...
-
     def observe_tokens(self, cache: CacheView, surprisal: torch.Tensor, input_ids: torch.Tensor) -> TokenValues | None:
-        """The new tokens' surprisal (B, q) and ids (B, q), if ``needs_surprisal``."""
-
-    def probe(self, cache: CacheView, prompts: list[list[int]]) -> list[ProbePass]:
-        """The passes to run and observe before the first compression, given each row's prompt ids."""
+        ...
+    def probe(self, cache: CacheView, prompts: list[list[int]]) -> list[ProbePass]: ...
+    def score(self, layer: LayerView) -> torch.Tensor: ...  # (B, G, N), higher = keep
+    def report(self, layer: LayerView) -> dict[str, Any]: ...  # per-layer diagnostics, one per row
 
     def allocate(self, cache: CacheView, totals: torch.Tensor) -> Allocated:
         """Per-row, per-layer budgets (B, L) summing to ``totals`` (B,) over the layers a budget shares."""
 
-    def score(self, layer: LayerView) -> torch.Tensor:
-        """(B, G, N) scores, higher = keep."""
-
     def protected(self, layer: LayerView, target: torch.Tensor) -> torch.Tensor:
         """(B, G, N) bool: slots kept whatever their score when the layer keeps ``target`` (B,)."""
-
-    def report(self, layer: LayerView) -> dict[str, Any]:
-        """Per-layer diagnostics, each value a list with one entry per row."""

@@ -1,25 +1,23 @@
 """The attention function d2o registers with transformers, and installing it on a model.
 
-transformers builds one causal mask per forward pass, sized for layer 0, and reads it at
-``kv_offset + slot``: after eviction that matches the kept tokens only by chance, and layers of
-different lengths cannot take a multi-token input at all. So d2o registers a mask function that
-passes the model's 2D padding mask through unchanged, and this attention function builds each
-layer's own mask: slot validity kept by the cache layer, plus a bottom-right-aligned causal
-block over the new tokens. The output comes from transformers' own SDPA (or eager) function, so
-without compression the logits are those of the stock model. Statistics the policy asks for are
-computed exactly in query chunks (see ``stats``), and after the decoder's last layer the cache
-compresses (a forward hook on the decoder).
+transformers builds one causal mask per pass, sized for layer 0, and reads it at ``kv_offset +
+slot``: after eviction that matches the kept tokens only by chance, and layers of different lengths
+cannot take a multi-token input. So d2o's mask function passes the 2D padding mask through and its
+attention function builds each layer's mask: slot validity plus a bottom-right causal block over
+the new tokens; the output comes from transformers' own SDPA (or eager) function, so without
+compression the logits are the stock model's. Statistics are computed exactly in query chunks
+(``stats``); after the decoder's last layer the cache compresses (a forward hook).
 
-transformers does not hand the cache to the attention function: a hook before the decoder's
-forward binds the pass's cache (per thread), and the function takes the layer of that cache with
-its module's ``layer_idx``, the layer whose ``update`` just stored this pass's keys. A layer that
-took no keys in this pass is an error at once, never a silent stock attention.
+transformers does not hand the cache to the attention function: a hook before the decoder's pass
+binds its cache (per thread), and the function takes that cache's layer of its module's
+``layer_idx``, whose ``update`` just stored the pass's keys; a layer that took none is an error.
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import replace
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -34,21 +32,19 @@ from d2o.engine.stats import allowed_keys, attention_stats
 from d2o.engine.storage import HOOK_PREFIX
 from d2o.errors import D2OError
 
-# Model families whose attention calls `cache.update` then the registered attention function on
-# unrepeated KV heads, with keys after RoPE (checked in the tests with tiny random models).
+# Families whose attention calls `cache.update`, then the attention function on unrepeated KV heads
+# with keys after RoPE (checked in the tests on tiny random models).
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 NO_STATISTICS = StatsRequest()
 ATTENTION_NAMES = {backend: HOOK_PREFIX + backend for backend in ("sdpa", "eager")}
 HOOK_ATTRIBUTE = "_d2o_end_of_forward"  # on the decoder: the handle of the forward hook
 STOCK_ATTRIBUTE = "_d2o_stock_attention"  # on the model: the implementation install replaced
-# Per thread, the d2o cache of each decoder pass running now (None: another cache, or none), the
-# innermost last (a probe pass runs inside the pass that compresses).
+# Per thread, the d2o cache of each decoder pass running (None: another cache, or none), innermost last.
 _passes = threading.local()
 
 
 def _bound_layer(module):
-    """The layer of the bound pass's d2o cache that ``module`` (an attention module) attends with,
-    or None when the pass has no d2o cache."""
+    """The layer of the pass's d2o cache that attention ``module`` attends with (None: no d2o cache)."""
     stack = getattr(_passes, "caches", None)
     cache = stack[-1] if stack else None
     if cache is None:
@@ -95,10 +91,11 @@ def _make_attention(backend: str):
             if layer.observing and n_query == 1 and window is None and (request is None or request.visible is None):
                 # A decode step of a layer that evicts: one product with the keys plus the layer's logit bias
                 # (no mask to build, nothing to ask the device); its probabilities give the statistics.
-                output, stats = _one_query_attention(query, key, value, layer.logit_bias(_work_dtype(query)),
-                                                     new_valid, scaling, request or NO_STATISTICS)
+                bias = layer.logit_bias(torch.float64 if query.dtype == torch.float64 else torch.float32)
+                output, stats = _one_query_attention(query, key, value, bias, new_valid, scaling,
+                                                     request or NO_STATISTICS)
                 if request is not None:
-                    _observe(layer, request, _with_queries(stats, request, layer, query, scaling))
+                    _observe(layer, request, stats, query, scaling)
                 return output, None
             kv_valid = layer.valid  # (B, G, N)
             positions = layer.token_index
@@ -111,7 +108,8 @@ def _make_attention(backend: str):
             positions = torch.arange(n_keys, device=query.device).expand(batch, 1, n_keys)
             query_positions = positions[:, :, n_keys - n_query:]
         if key.shape[1] != query.shape[1] // module.num_key_value_groups:  # KV heads stored repeated
-            module = _Grouping(module, query.shape[1] // key.shape[1])
+            module = SimpleNamespace(num_key_value_groups=query.shape[1] // key.shape[1], training=module.training,
+                                     is_causal=getattr(module, "is_causal", True), scaling=module.scaling)
         window_mask = None if window is None else _sliding_window(window, positions, query_positions)
         every_slot = window_mask is None and bool(kv_valid.all())
 
@@ -120,7 +118,7 @@ def _make_attention(backend: str):
             stats = attention_stats(query, key, kv_valid.expand(-1, key.shape[1], -1),
                                     kv_valid.new_ones((batch, n_query)) if new_valid is None else new_valid,
                                     scaling, request, window_mask, log_weight, value)
-            _observe(layer, request, _with_queries(stats, request, layer, query, scaling))
+            _observe(layer, request, stats, query, scaling)
             return stats.output, None
 
         mask = None
@@ -149,25 +147,18 @@ def _make_attention(backend: str):
             if new_valid is None:
                 new_valid = kv_valid.new_ones((batch, n_query))
             stats = attention_stats(query, key, per_head, new_valid, scaling, request, window_mask, log_weight)
-            _observe(layer, request, _with_queries(stats, request, layer, query, scaling))
+            _observe(layer, request, stats, query, scaling)
         return output, None
 
     attention.__name__ = f"d2o_{backend}_attention"
     return attention
 
 
-def _with_queries(stats: AttentionStats, request: StatsRequest, layer, query, scaling: float) -> AttentionStats:
-    """``stats`` with the pass's queries, their token indices and the logits' scale, if asked for."""
-    if not request.queries:
-        return stats
-    return replace(stats, queries=query, query_index=layer.fresh_index(query.shape[2]), scaling=scaling)
-
-
-def _observe(layer, request: StatsRequest, stats: AttentionStats) -> None:
-    """Hand a pass's statistics to the policy and write what it makes of them. While the cache is
-    held (a prompt prefilled in chunks, to be scored as a whole), the window rows of the earlier
-    passes go with this pass's: the window is the last ``request.window`` queries of the prompt,
-    however it was chunked."""
+def _observe(layer, request: StatsRequest, stats: AttentionStats, query: torch.Tensor, scaling: float) -> None:
+    """Hand a pass's statistics (with its queries, if asked) to the policy and write what it makes of
+    them. Inside a hold the earlier passes' window rows go with this pass's (the prompt's last)."""
+    if request.queries:
+        stats = replace(stats, queries=query, query_index=layer.fresh_index(query.shape[2]), scaling=scaling)
     if not layer.cache.held or stats.window is None:
         layer.carried_window = None
     else:
@@ -181,18 +172,11 @@ def _observe(layer, request: StatsRequest, stats: AttentionStats) -> None:
     layer.apply_observed(layer.cache.policy.observe(layer.view, stats))
 
 
-def _work_dtype(query: torch.Tensor) -> torch.dtype:
-    """The dtype the statistics are computed in: float32 at least (a float64 model keeps float64)."""
-    return query.dtype if query.dtype == torch.float64 else torch.float32
-
-
 def _one_query_attention(query, key, value, bias, new_valid, scaling, request):
-    """One new query per row (a decode step), when the policy wants statistics: the attention
-    probabilities (in float32 at least), the output from them, and the statistics ``request``
-    asks for, for free (for one query, its probabilities are both the column mass and the last
-    window row). ``bias`` (B, G, 1, N) is added to the logits: the slots' log weights, the lowest
-    value for empty ones (masked whether there are any or not: asking would make the host wait for
-    the device in every layer of every decode step)."""
+    """One query per row (a decode step) whose statistics are asked for: its probabilities (float32
+    at least) give the output and, for free, the column mass and window row. ``bias`` (B, G, 1, N):
+    the slots' log weights, the lowest value for empty ones (added whether there are any or not:
+    asking would make the host wait for the device in every layer of every step)."""
     batch, heads, _, dim = query.shape
     kv_heads = key.shape[1]
     dtype = bias.dtype
@@ -209,20 +193,9 @@ def _one_query_attention(query, key, value, bias, new_valid, scaling, request):
                                   column_max=probs if request.column_max else None)
 
 
-class _Grouping:
-    """The attention module as the kernels see it, with the query heads per stored KV head."""
-
-    def __init__(self, module, groups: int):
-        self.num_key_value_groups = groups
-        self.is_causal = getattr(module, "is_causal", True)
-        self.training = module.training
-        self.scaling = module.scaling
-
-
 def _sliding_window(window, positions, query_pos):
-    """A callable adding a sliding window to `allowed_keys`, or None when the window changes nothing.
-
-    ``positions`` (B, G|1, N): each slot's token index; ``query_pos`` (B, 1, q): the new tokens'."""
+    """A callable adding a sliding window to `allowed_keys` (None: it changes nothing); ``positions``
+    (B, G|1, N): each slot's token index, ``query_pos`` (B, 1, q): the new tokens'."""
     newest = query_pos.max()
     if bool(newest - positions.masked_fill(positions < 0, newest).min() < window):
         return None
@@ -245,9 +218,8 @@ def check_family(config) -> None:
     """Refuse a model whose attention d2o cannot hook, naming its family."""
     family = getattr(config.get_text_config(), "model_type", None)
     if family not in SUPPORTED_FAMILIES:
-        raise D2OError(
-            f"model family {family!r} is not supported: d2o hooks the attention of {', '.join(SUPPORTED_FAMILIES)}"
-        )
+        raise D2OError(f"model family {family!r} is not supported: d2o hooks the attention of "
+                       f"{', '.join(SUPPORTED_FAMILIES)}")
 
 
 def check_backend(backend: str) -> None:
@@ -257,10 +229,8 @@ def check_backend(backend: str) -> None:
 
 def install(model, backend: str | None = None) -> None:
     """Route ``model``'s attention through d2o's hook; ``backend`` is "sdpa" (default) or "eager".
-
-    Outputs are unchanged (the same kernels compute them); only a ``CompressedCache`` compresses.
-    ``uninstall`` puts the model back as it was.
-    """
+    Outputs are unchanged (the same kernels); only a ``CompressedCache`` compresses; ``uninstall``
+    puts the model back."""
     check_family(model.config)
     current = model.config.get_text_config()._attn_implementation
     if backend is None:
@@ -292,15 +262,11 @@ def uninstall(model) -> None:
 
 
 def _install_hooks(decoder, lm_head) -> tuple:
-    """Forward hooks on the decoder and the output embeddings; returns their handles.
-
-    Before every pass of the decoder its cache is bound (``_bound_layer``), and unbound after it,
-    whatever happens. After every pass of the decoder a d2o cache sees the tokens and compresses. Compressing there,
-    after the final norm, rather than in the last layer, lets policies score tokens by what the
-    model predicted (token surprisal) as well as by attention. The next token's surprisal needs
-    the logits of this pass's last position: the model computes them right after, so the hook on
-    the output embeddings hands them to the cache, which need not compute them again.
-    """
+    """Forward hooks on the decoder and the output embeddings; returns their handles. A pass's cache
+    is bound before it and unbound after it, whatever happens. After it a d2o cache sees the tokens
+    and compresses: after the final norm, so that policies may score by what the model predicted
+    (surprisal); the next token's needs this pass's last logits, which the output head's hook hands
+    over as the model computes them."""
     awaiting_logits: list[CompressedCache] = []  # the cache of the pass whose logits come next
 
     def bind(module, args, kwargs):
@@ -323,7 +289,7 @@ def _install_hooks(decoder, lm_head) -> tuple:
                 if input_ids is None:
                     raise D2OError(f"{cache.policy.name} probes the model with the prompt's tokens: give input_ids, "
                                    f"not embeddings")
-                cache.record_prompt(input_ids)
+                cache.prober.record(input_ids, cache.layers[0].fresh_index(input_ids.shape[1]) >= 0)
             if cache.policy.needs_surprisal:
                 if input_ids is None:
                     raise D2OError(f"{cache.policy.name} scores tokens by surprisal: give input_ids, not embeddings")
@@ -332,7 +298,7 @@ def _install_hooks(decoder, lm_head) -> tuple:
                                    f"head (a ...ForCausalLM), not the bare decoder")
                 cache.observe_tokens(input_ids, output.last_hidden_state, lm_head)
                 awaiting_logits.append(cache)
-            cache.end_of_forward()
+            cache.schedule.end_of_forward()
 
     def logits(module, args, output):
         if awaiting_logits:

@@ -1,10 +1,9 @@
 """A compressed KV cache for transformers: a list of ``CompressedLayer`` run by one ``Policy``.
 
-This file is the transformers container and what is done to rows (a finished request leaves, a new
-one joins, a copy goes on alone); ``schedule`` decides when to compress and what to evict,
-``probing`` runs a policy's probe passes, ``model_facts`` knows the model, ``report`` says what
-the layers hold. The cache knows nothing about a particular method: it calls its policy through
-``api`` (the boundary), handing it read-only views of itself and of its layers.
+This file is the transformers container and what is done to rows (a request leaves, one joins, a
+copy goes on alone); ``schedule`` decides when to compress and what to evict, ``probing`` runs
+probe passes, ``model_facts`` knows the model, ``report`` says what the layers hold. The cache
+names no method: it calls its policy through ``api``, handing it read-only views.
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ from d2o.engine.quantization import KVQuantization
 from d2o.engine.quantized import QuantizedLayer
 from d2o.engine.report import CacheReport, report_of
 from d2o.engine.schedule import Schedule
+from d2o.engine.slots import named
 from d2o.engine.stats import token_surprisal
 from d2o.engine.storage import CompressedLayer
 from d2o.errors import D2OError
@@ -38,24 +38,20 @@ class CompressedCache(Cache):
         model.generate(**inputs, cache=cache, max_new_tokens=32)
         print(cache.report().table())
 
-    Compression runs at the end of every forward pass: the first one that the policy compresses
-    after (the prefill, by default) fixes each layer's budget; from then on a layer over its
-    budget (one new token per decode step, or a multi-token input such as an appended question)
-    is brought back to it, unless the policy keeps its cache after the first compression.
-    ``with cache.hold(): ...`` defers compression (a chunked prefill scored as a whole).
+    Compression runs at the end of every pass: the first the policy compresses after (the prefill)
+    fixes each layer's budget; from then on a layer over it (a decode step's token, an appended
+    question) is brought back to it, unless the policy compresses once. ``with cache.hold():``
+    defers compression (a chunked prefill scored as a whole).
     """
 
     def __init__(self, model, policy: Policy, budget: Budget | str | float = 0.2, observe: bool | None = None,
                  tokenizer=None, evict_every: int = 1, kv_bits: int | KVQuantization | None = None):
-        """``observe``: compute the policy's statistics even under a budget that never evicts (a
-        prefill that forks will share); by default only when something can be evicted, so that a
-        budget of 1 runs the stock kernels alone. ``tokenizer``: the model's, for a method that
-        writes text of its own into a probe (KVzip's "Repeat the previous context"); by default the
-        one saved with the model (``config.name_or_path``). ``evict_every``: during decoding, a layer
-        runs up to ``evict_every - 1`` tokens over its budget and is brought back to it, in one
-        pass, when a row reaches budget + ``evict_every`` (1: at every step). ``kv_bits``: store keys
-        and values at 8, 4 or 2 bits (or as a ``KVQuantization``, with its group size and residual);
-        None: in the model's dtype."""
+        """``observe``: compute the policy's statistics even under a budget that evicts nothing (a
+        prefill forks will share; by default a budget of 1 runs the stock kernels alone).
+        ``tokenizer``: the model's, for a method writing text into a probe (by default the one saved
+        with the model). ``evict_every``: decoding, a layer runs up to ``evict_every - 1`` tokens over
+        its budget, brought back in one pass (1: every step). ``kv_bits``: keys and values at 8, 4 or
+        2 bits (or a ``KVQuantization``); None: in the model's dtype."""
         if isinstance(policy, str):
             raise D2OError(f"CompressedCache takes a method object, not the name {policy!r}: "
                            f"d2o.get_method({policy!r}) builds one")
@@ -77,15 +73,14 @@ class CompressedCache(Cache):
         self.compressible = compressible_layers(windows, self.budget.unlimited)
         if self.quantization is not None:
             self.quantization.check(head_dim(config))
-            layers = [QuantizedLayer(self, i, window, self.quantization) for i, window in enumerate(windows)]
-        else:
-            layers = [CompressedLayer(self, i, window) for i, window in enumerate(windows)]
-        super().__init__(layers=layers)
+        quantized = self.quantization
+        super().__init__(layers=[CompressedLayer(self, i, window) if quantized is None else
+                                 QuantizedLayer(self, i, window, quantized) for i, window in enumerate(windows)])
         self._observe = observe
         self._start_observing()
         self.prober = Prober()
-        self._last_hidden = None  # the last real token's final hidden state (for surprisal)
-        self._last_logits = None  # (hidden, logits): the model's logits from those hidden states
+        # The last real token's final hidden state (for surprisal), and (hidden, logits): the model's of it.
+        self._last_hidden = self._last_logits = None
         self._make_views()
 
     def _make_views(self) -> None:
@@ -93,23 +88,15 @@ class CompressedCache(Cache):
         for layer, view in zip(self.layers, self.view.layers):
             layer.view = view
 
-    @property
-    def evict_every(self) -> int:
-        return self.schedule.evict_every
-
-    @property
-    def tokenizer(self):
-        return self.facts.tokenizer(self.policy.name)
+    evict_every = property(lambda cache: cache.schedule.evict_every)
+    tokenizer = property(lambda cache: cache.facts.tokenizer(cache.policy.name))
 
     def fork(self, policy: Policy, budget, slot_prefix: str = "", state_of=None,
              evict_every: int = 1, kv_bits: int | KVQuantization | None = None) -> CompressedCache:
-        """A cache for ``policy`` at ``budget`` continuing from this one's tokens, compressed now if
-        it is time. Key/value tensors are shared (compression writes new tensors, never into old
-        ones); the slot state under ``slot_prefix`` becomes the new cache's own (copied, since
-        methods accumulate into it), and so does, per layer, ``state_of(layer)`` if given (a copy:
-        what the policy kept of the prefill in its ``RowState``). The source must hold every token
-        (budget 1.0): what a compressed cache has made of its tokens (merged slots' weights,
-        thresholds, budgets) is the method's own and does not carry over."""
+        """A cache for ``policy`` at ``budget`` going on from this one's tokens, compressed now if it is
+        time: key/value tensors shared (neither writes them in place); the slot state under
+        ``slot_prefix`` and per layer ``state_of(layer)``, if given, copied as the new one's own. The
+        source holds every token (budget 1.0): what a compression made of them is a method's own."""
         if not self.budget.unlimited:
             raise D2OError(f"only a cache that holds every token (budget 1.0) can be forked; this one's budget is "
                            f"{self.budget}")
@@ -129,17 +116,15 @@ class CompressedCache(Cache):
             mine.settle()
             theirs.seen, theirs.real_seen = mine.seen, mine.real_seen
             mine.owns_storage = theirs.owns_storage = False
-            if state_of is not None:
-                own = state_of(mine)
-                theirs.state = None if own is None else own.map_rows(torch.clone)
-        new.compress()
+            if state_of is not None and state_of(mine) is not None:
+                theirs.state = state_of(mine).map_rows(torch.clone)
+        new.schedule.compress()
         return new
 
     def copy(self) -> CompressedCache:
-        """A cache in this one's state that goes on alone (another question after one compressed
-        context). Key/value tensors and token indices are shared, and from now on neither cache
-        writes into them in place (each writes new tensors, as after a fork); everything a policy
-        accumulates into (slot state, log weights, row state, counts) is copied."""
+        """A cache in this one's state that goes on alone (another question on a compressed context):
+        key/value tensors and token indices shared (neither writes them in place from now on), what
+        a policy accumulates into copied."""
         new = copy.copy(self)
         new.prober = self.prober.copy()
         new.schedule = copy.copy(self.schedule)
@@ -149,19 +134,7 @@ class CompressedCache(Cache):
         return new
 
     # -- rows ---------------------------------------------------------------------------------
-    @property
-    def batch_size(self) -> int:
-        first = self.layers[0]
-        return first.token_index.shape[0] if first.is_initialized else 0
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self.select_rows(beam_idx)
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self.select_rows(torch.arange(self.batch_size).repeat_interleave(repeats))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self.select_rows(indices)
+    batch_size = property(lambda cache: cache.layers[0].token_index.shape[0] if cache.layers[0].is_initialized else 0)
 
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep (or repeat, or reorder) the rows ``index`` (1-D): finished requests leave a batch."""
@@ -169,6 +142,11 @@ class CompressedCache(Cache):
             layer.select_rows(index)
         if self._last_hidden is not None:
             self._last_hidden = self._last_hidden[torch.as_tensor(index, device=self._last_hidden.device)]
+
+    reorder_cache = batch_select_indices = select_rows  # transformers' names (beam search, contrastive search)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.select_rows(torch.arange(self.batch_size).repeat_interleave(repeats))
 
     def why_not_joined(self, other: CompressedCache) -> str | None:
         """Why ``other``'s rows cannot join this cache's now (None: they can)."""
@@ -197,8 +175,8 @@ class CompressedCache(Cache):
 
     # -- lifecycle ----------------------------------------------------------------------------
     def _start_observing(self) -> None:
-        """Before a sequence: every full-attention layer collects statistics, none where nothing
-        will ever be evicted (unless ``observe``); allocation then stops the layers that never evict."""
+        """Before a sequence every full-attention layer collects statistics, but under a budget that
+        evicts nothing (unless ``observe``); allocation then stops the layers that never evict."""
         for layer in self.layers:
             layer.observing = layer.window is None and (not self.budget.unlimited or bool(self._observe))
 
@@ -211,9 +189,8 @@ class CompressedCache(Cache):
 
     @contextmanager
     def hold(self):
-        """Defer compression until the block ends (e.g. to prefill a long prompt in chunks). Meanwhile
-        a layer whose method reads an observation window carries that window's attention rows (its
-        last w queries' over every token), so that the next chunk scores with them."""
+        """Defer compression until the block ends (a prompt prefilled in chunks, scored as a whole);
+        meanwhile a layer carries its observation window's attention rows from pass to pass."""
         self.schedule.holds += 1
         try:
             yield self
@@ -222,19 +199,7 @@ class CompressedCache(Cache):
         if not self.schedule.holds:
             self.schedule.end_of_hold()
 
-    @property
-    def held(self) -> bool:
-        """True inside ``hold()``: compression waits for the block to end."""
-        return self.schedule.holds > 0
-
-    def end_of_forward(self) -> None:
-        """Called by the decoder's forward hook after every forward pass; passes inside ``hold()``
-        count as one, when the block ends."""
-        self.schedule.end_of_forward()
-
-    def compress(self) -> None:
-        """Compress now what is due (``schedule``)."""
-        self.schedule.compress()
+    held = property(lambda cache: cache.schedule.holds > 0, doc="Inside ``hold()``.")
 
     # -- tokens --------------------------------------------------------------------------------
     def observe_tokens(self, input_ids: torch.Tensor, hidden: torch.Tensor, lm_head) -> None:
@@ -251,31 +216,28 @@ class CompressedCache(Cache):
         self.record(self.policy.observe_tokens(self.view, surprisal, input_ids))
 
     def record(self, values: TokenValues | None) -> None:
-        """Write the new tokens' values a policy gives into every layer's slot state."""
+        """The new tokens' values a policy gives, into every layer's slot state."""
         if values is None:
             return
+        heads = self.layers[0].token_index.shape[1]  # the stored KV heads, as many in every layer
         for name, tensor in values.values.items():
+            per_head = tensor[:, None, :].expand(tensor.shape[0], heads, tensor.shape[1])
             for layer in self.layers:
-                layer.record(name, tensor, values.decay.get(name, 1.0))
+                layer.record(name, per_head, values.decay.get(name, 1.0))
 
     def observe_logits(self, hidden: torch.Tensor, logits: torch.Tensor) -> None:
-        """The logits (B, V) the model computed from final hidden states ``hidden`` (B, d): those of
-        this pass's last position, which predict the next pass's first token."""
+        """The logits (B, V) the model computed from this pass's last final hidden states ``hidden``
+        (B, d): they predict the next pass's first token."""
         self._last_logits = (hidden.clone(), logits.clone())
-
-    def record_prompt(self, input_ids: torch.Tensor) -> None:
-        """Keep a pass's token ids until the policy's probe has read them (a policy that ``probes``)."""
-        self.prober.record(input_ids, self.layers[0].fresh_index(input_ids.shape[1]) >= 0)
 
     # -- inspection and saving ------------------------------------------------------------------
     @property
     def nbytes(self) -> int:
-        """Bytes the layers hold for their slots: keys, values, token indices and method state (not
-        the statistics of a pass, nor those a ``hold`` keeps until it ends)."""
+        """Bytes the layers hold for their slots: keys, values, token indices and method state."""
         return sum(layer.nbytes + layer.state_nbytes for layer in self.layers)
 
     def report(self, rows: list[int] | None = None) -> CacheReport:
-        """What the layers hold, for ``rows`` of the batch (all of them by default)."""
+        """What the layers hold, for ``rows`` of the batch (all by default)."""
         return report_of(self, rows)
 
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict]:
@@ -301,11 +263,9 @@ class CompressedCache(Cache):
             raise D2OError(f"the saved context has {len(meta['layers'])} layers, the model {len(self.layers)}")
         for i, (layer, saved) in enumerate(zip(self.layers, meta["layers"])):
             if saved is not None:
-                prefix = f"{i}."
-                layer.load_state_dict({name[len(prefix):]: tensor for name, tensor in tensors.items()
-                                       if name.startswith(prefix)}, saved, dtype)
-        self.schedule.forwards, self.schedule.allocated = meta["forwards"], meta["allocated"]
-        self.prober.probed = meta["probed"]
+                layer.load_state_dict(named(tensors, f"{i}."), saved, dtype)
+        self.schedule.forwards, self.schedule.allocated, self.prober.probed = (meta[name] for name in (
+            "forwards", "allocated", "probed"))
         self._last_hidden = tensors.get("last_hidden")
         if "last_logits.hidden" in tensors:
             self._last_logits = (tensors["last_logits.hidden"], tensors["last_logits.logits"])

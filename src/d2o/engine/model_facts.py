@@ -12,10 +12,9 @@ from d2o.errors import D2OError
 
 
 def sliding_windows(config) -> list[int | None]:
-    """Per layer: its sliding window, or None for a layer that attends to every token (the layers
-    a budget shares). Hybrid models (Gemma 3) name each layer's kind in ``layer_types``; a config
-    without them slides in every layer when it has a ``sliding_window`` (Mistral 7B v0.1), as
-    transformers reads it (its attention masks so, and its own cache keeps the window)."""
+    """Per layer its sliding window, or None where it attends to every token. Hybrid models (Gemma 3)
+    name each layer's kind in ``layer_types``; without them a ``sliding_window`` slides every layer
+    (Mistral 7B v0.1), as transformers reads it."""
     window = getattr(config, "sliding_window", None)
     kinds = getattr(config, "layer_types", None) or \
         ["sliding_attention" if window is not None else "full_attention"] * config.num_hidden_layers
@@ -23,13 +22,12 @@ def sliding_windows(config) -> list[int | None]:
 
 
 def head_dim(config) -> int:
-    """Channels per attention head of a (text) config: its ``head_dim``, or the hidden size shared."""
+    """Channels per attention head: the config's ``head_dim``, or the hidden size shared."""
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def compressible_layers(windows: list[int | None], unlimited: bool) -> list[int]:
-    """The layers a budget shares: those attending to every token (a sliding-window layer keeps its
-    window, as the stock cache does). A model whose every layer slides has none to compress."""
+    """The layers a budget shares: those attending to every token (a sliding one keeps its window)."""
     layers = [i for i, window in enumerate(windows) if window is None]
     if not layers and not unlimited:
         raise D2OError(f"every layer of this model attends over a sliding window of {windows[0]} tokens, so its "
@@ -47,8 +45,8 @@ def _saved_tokenizer(path: str):
 
 
 class ModelFacts:
-    """A cache's model, held weakly (a cache must not keep its model alive, nor be deep-copied with
-    it): its text config, its decoder, its RoPE tables and its tokenizer."""
+    """A cache's model, held weakly (a cache must not keep it alive, nor be deep-copied with it): its
+    text config, its decoder, its RoPE tables and its tokenizer."""
 
     def __init__(self, decoder, config, tokenizer=None):
         self._decoder = decoder if isinstance(decoder, weakref.ref) else weakref.ref(decoder)
@@ -62,8 +60,7 @@ class ModelFacts:
         return decoder
 
     def tokenizer(self, needed_by: str):
-        """The model's tokenizer: the one given, else the one saved with the model (``needed_by``:
-        the method that asks, named if it cannot be loaded)."""
+        """The tokenizer given, else the one saved with the model (``needed_by``: the method asking)."""
         if self._tokenizer is None:
             path = getattr(self.config, "_name_or_path", "") or ""
             try:
@@ -79,8 +76,7 @@ class ModelFacts:
 
     def rotary(self, layer_idx: int, positions: torch.Tensor,
                dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-        """The (cos, sin) tables the model's RoPE applies at ``positions`` (B, n) in layer
-        ``layer_idx``, each (B, n, head_dim), in ``dtype``."""
+        """The (cos, sin) tables of the model's RoPE at ``positions`` (B, n) in a layer, (B, n, D) each."""
         rotary = getattr(self.decoder(), "rotary_emb", None)
         if rotary is None:
             raise D2OError("this method reads the model's rotary embedding, and this model's decoder has none")

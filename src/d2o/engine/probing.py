@@ -1,5 +1,5 @@
-"""Probe passes: tokens a policy runs through the model after the prompt before it compresses (KVzip's
-reconstruction of the context), observed like any pass, then taken out of every layer."""
+"""Probe passes: tokens run after the prompt before compressing (KVzip's reconstruction of the
+context), observed like any pass, then taken out of every layer."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ from d2o.engine.api import ProbePass
 
 
 def left_pad(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids (B, S) padded on the left, and the padding mask (1 = a real token). The pad id is
-    0: padding is masked everywhere, so its value never matters."""
+    """Token ids (B, S) padded on the left with 0 (masked everywhere), and the mask (1: real)."""
     width = max(len(row) for row in rows)
     ids = torch.zeros((len(rows), width), dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
@@ -21,8 +20,7 @@ def left_pad(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Prober:
-    """A cache's probe passes: the prompt's token ids recorded while it is fed (a policy that
-    ``probes``), then the passes the policy makes of them, run once before the first compression."""
+    """A cache's probe passes: the prompt's ids recorded as it is fed, then the policy's passes."""
 
     def __init__(self):
         self.probing: ProbePass | None = None  # the probe pass running now
@@ -35,7 +33,7 @@ class Prober:
         return new
 
     def record(self, input_ids: torch.Tensor, real: torch.Tensor) -> None:
-        """Keep a pass's token ids (B, q) and which are real, until the policy's probe has read them."""
+        """Keep a pass's token ids (B, q) and which are real, until the probe has read them."""
         self._prompt.append((input_ids.to(real.device), real))
 
     def forget(self) -> None:
@@ -48,8 +46,7 @@ class Prober:
         return [row[mask].tolist() for row, mask in zip(ids, real)]
 
     def run(self, cache) -> None:
-        """Run ``cache``'s policy's probe passes: each is fed after the prompt, observed, then taken
-        out of every layer (each pass sees the prompt alone)."""
+        """Run the policy's passes, each fed after the prompt, observed, then taken out."""
         passes = cache.policy.probe(cache.view, self.prompts())
         decoder = cache.facts.decoder()
         first = cache.layers[0]

@@ -1,22 +1,14 @@
-"""Keys and values stored at 8, 4 or 2 bits: the codec a quantized cache layer stores its slots with.
+"""Keys and values at 8, 4 or 2 bits: the codec a quantized cache layer stores its slots with.
 
-Each token's key and value vectors are cut into groups of ``group_size`` channels; a group keeps
-its minimum (the zero point) and its step ``(max - min) / (2**bits - 1)`` in float16, and every
-channel the nearest level, packed ``8 // bits`` to a byte (asymmetric min-max quantization, as in
-KIVI's values and transformers' quanto back-end).
-
-KIVI quantizes keys per channel, over groups of consecutive tokens. Here keys are quantized per
-token too, because eviction and merging work token by token: a token's bytes, step and zero point
-are its slot's own, so evicting a token, gathering the kept ones into fewer slots, or merging into
-one slot never re-quantizes another token (with per-channel groups each of those would
-re-quantize the group it falls in). What per-channel groups buy KIVI, the outlier channels of keys
-staying accurate, the residual gives the newest tokens here: they are also held in full precision
-and read in full precision (``residual``), until newer ones replace them.
-
-Plain torch: the packed bytes must be ordinary tensors that slot operations (gather, scatter,
-concatenation along slots and rows) apply to like any other per-slot tensor. optimum-quanto's and
-HQQ's quantized tensors are opaque subclasses quantized along whole tensors, and on a CPU they
-dequantize with torch operations too.
+A token's key and value are cut into groups of ``group_size`` channels; a group keeps its minimum
+(zero point) and step ``(max - min) / (2**bits - 1)`` in float16, every channel the nearest level,
+packed ``8 // bits`` to a byte (asymmetric min-max quantization, as KIVI's values and quanto).
+KIVI quantizes keys per channel over groups of tokens; here keys are per token too, because
+eviction and merging work token by token: a token's bytes are its slot's own, so evicting,
+gathering or merging never re-quantizes another token. What per-channel groups buy KIVI (outlier
+channels kept accurate) the residual gives the newest tokens: they are also held in full precision.
+Plain torch: the packed bytes are ordinary tensors that slot operations apply to like any field
+(optimum-quanto's and HQQ's are opaque subclasses quantized along whole tensors).
 """
 
 from __future__ import annotations
@@ -63,13 +55,8 @@ class KVQuantization:
         """``kv_bits`` as given to a cache: None (the model's dtype), a bit width, or a ``KVQuantization``."""
         return kv_bits if kv_bits is None or isinstance(kv_bits, KVQuantization) else cls(bits=kv_bits)
 
-    @property
-    def levels(self) -> int:
-        return (1 << self.bits) - 1
-
-    @property
-    def per_byte(self) -> int:
-        return 8 // self.bits
+    levels = property(lambda quantization: (1 << quantization.bits) - 1)
+    per_byte = property(lambda quantization: 8 // quantization.bits)  # levels packed in a byte
 
     def group(self, dim: int) -> int:
         """Channels per group of a vector of ``dim`` channels."""

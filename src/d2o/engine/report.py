@@ -61,66 +61,28 @@ class CacheReport:
             ))
         return cls(method=first.method, budget=first.budget, min_tokens=first.min_tokens, layers=layers)
 
-    @property
-    def kv_tokens_kept(self) -> int:
-        return sum(sum(layer.kept) for layer in self.layers)
+    kv_tokens_kept = property(lambda report: sum(sum(layer.kept) for layer in report.layers))
+    kv_tokens_full = property(lambda report: sum(sum(layer.full) for layer in report.layers))
+    kv_bytes = property(lambda report: sum(layer.kv_bytes for layer in report.layers))
+    kv_bytes_full = property(lambda report: sum(layer.kv_bytes_full for layer in report.layers))
+    state_bytes = property(lambda report: sum(layer.state_bytes for layer in report.layers))
 
-    @property
-    def kv_tokens_full(self) -> int:
-        return sum(sum(layer.full) for layer in self.layers)
-
-    @property
-    def kv_bytes(self) -> int:
-        return sum(layer.kv_bytes for layer in self.layers)
-
-    @property
-    def kv_bytes_full(self) -> int:
-        return sum(layer.kv_bytes_full for layer in self.layers)
-
-    @property
-    def kv_parts(self) -> dict[str, int]:
-        """kv_bytes by part, when keys and values are stored quantized (else empty)."""
-        totals: dict[str, int] = {}
-        for layer in self.layers:
-            for name, count in layer.kv_parts.items():
-                totals[name] = totals.get(name, 0) + count
-        return totals
-
-    @property
-    def state_bytes(self) -> int:
-        return sum(layer.state_bytes for layer in self.layers)
-
-    @property
-    def floor_layers(self) -> int:
-        """Layers of the first row whose budget the floor set."""
-        return sum(bool(layer.floor[0]) for layer in self.layers if layer.floor)
-
-    @property
-    def layer_budgets(self) -> list[int | None]:
-        """Per-layer budget of the first row (the only row for a single prompt)."""
-        return [layer.budget[0] if layer.budget else None for layer in self.layers]
+    kv_parts = property(lambda report: {name: sum(layer.kv_parts[name] for layer in report.layers)
+                                        for name in (report.layers[0].kv_parts if report.layers else {})},
+                        doc="kv_bytes by part, when keys and values are stored quantized (else empty).")
+    floor_layers = property(lambda report: sum(bool(layer.floor[0]) for layer in report.layers if layer.floor),
+                            doc="Layers of the first row whose budget the floor set.")
+    layer_budgets = property(lambda report: [layer.budget[0] if layer.budget else None for layer in report.layers],
+                             doc="Per-layer budget of the first row (the only row for a single prompt).")
 
     def as_dict(self) -> dict:
-        return {
-            "method": self.method,
-            "budget": self.budget,
-            "min_tokens": self.min_tokens,
-            "floor_layers": self.floor_layers,
-            "kv_tokens_kept": self.kv_tokens_kept,
-            "kv_tokens_full": self.kv_tokens_full,
-            "kv_bytes": self.kv_bytes,
-            "kv_bytes_full": self.kv_bytes_full,
-            "state_bytes": self.state_bytes,
-            "kv_parts": self.kv_parts,
-            "layer_budgets": self.layer_budgets,
-            "global_layers": self.global_layers,
-            "layers": [layer.as_dict() for layer in self.layers],
-        }
+        return {**{name: getattr(self, name) for name in (
+            "method", "budget", "min_tokens", "floor_layers", "kv_tokens_kept", "kv_tokens_full", "kv_bytes",
+            "kv_bytes_full", "state_bytes", "kv_parts", "layer_budgets", "global_layers")},
+            "layers": [layer.as_dict() for layer in self.layers]}
 
-    @property
-    def global_layers(self) -> list[int]:
-        """The layers that attend to every token (those a budget compresses)."""
-        return [layer.layer for layer in self.layers if layer.window is None]
+    global_layers = property(lambda report: [layer.layer for layer in report.layers if layer.window is None],
+                             doc="The layers that attend to every token (those a budget compresses).")
 
     def summary(self) -> str:
         """One line: what was held, against the full cache."""
@@ -144,14 +106,10 @@ class CacheReport:
             if layer.window is not None:
                 budget = f"w{layer.window}"
             details = "  ".join(f"{name} {_brief(values[0])}" for name, values in layer.method.items() if values)
-            lines.append(
-                f"{layer.layer:>5} {budget!s:>7} {layer.kept[0]:>6} {layer.full[0]:>6} {layer.merged[0]:>7} "
-                f"{layer.kv_bytes:>10}  {details}"
-            )
-        lines.append(
-            f"total: {self.kv_tokens_kept} of {self.kv_tokens_full} KV tokens, "
-            f"{self.kv_bytes} of {self.kv_bytes_full} bytes ({self.kv_bytes / max(self.kv_bytes_full, 1):.1%})"
-        )
+            lines.append(f"{layer.layer:>5} {budget!s:>7} {layer.kept[0]:>6} {layer.full[0]:>6} "
+                         f"{layer.merged[0]:>7} {layer.kv_bytes:>10}  {details}")
+        lines.append(f"total: {self.kv_tokens_kept} of {self.kv_tokens_full} KV tokens, {self.kv_bytes} of "
+                     f"{self.kv_bytes_full} bytes ({self.kv_bytes / max(self.kv_bytes_full, 1):.1%})")
         return "\n".join(lines)
 
 

@@ -1,47 +1,34 @@
-"""When a cache compresses and what it evicts: the end of every pass, budgets allocated once, layers
-brought back to them, evictions in batches of decode steps.
+"""When a cache compresses and what it evicts.
 
-After every forward pass (a ``hold`` counts as one) sliding-window layers are brought back to their
-window; at the first pass the policy compresses after, a policy that probes has its probe passes
-run, then ``allocate`` turns the budget's total into per-layer budgets; every layer over its budget
-then asks the policy for ``score`` and ``protected``. One token over (a decode step): the victim's
-slot is marked empty and the next token is written there. More: the kept slots are gathered into
-smaller tensors. With ``evict_every=k`` a row's layers run over their budgets while decoding until
-one reaches budget + k; then the slots over budget are only marked empty, every layer's merged in
-one call: they are the vacancies the next k tokens take.
+After every pass (a ``hold`` counts as one) sliding-window layers are brought back to their window;
+at the first pass the policy compresses after, its probe passes run (if it probes), then
+``allocate`` shares the budget's total among layers; every layer over its budget then asks the
+policy for ``score`` and ``protected``. One token over (a decode step): the victim's slot is
+emptied for the next token. More: the kept slots are gathered into smaller tensors. With
+``evict_every=k`` the layers of a row run over their budgets until one reaches budget + k, then the
+slots over are emptied where they are, every layer's merged in one call: the next k tokens' slots.
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import torch
 
 from d2o.budget import UNLIMITED
 from d2o.engine.api import Evicted
-from d2o.engine.selection import evicted_slots, select_evicted, select_kept, select_victim
+from d2o.engine.selection import select_evicted, select_kept, select_victim
 from d2o.errors import D2OError
 from d2o.options import whole
 
 
-class _Newest:
-    """A sliding-window layer's rule, the stock cache's: keep the newest tokens."""
-
-    merge = None
-
-    @staticmethod
-    def score(layer) -> torch.Tensor:
-        return layer.token_index
-
-    @staticmethod
-    def protected(layer, target: torch.Tensor) -> torch.Tensor:
-        return torch.zeros_like(layer.token_index, dtype=torch.bool)
-
-
-NEWEST = _Newest()
+# A sliding-window layer's rule, the stock cache's: keep the newest tokens.
+NEWEST = SimpleNamespace(merge=None, score=lambda layer: layer.token_index,
+                         protected=lambda layer, target: torch.zeros_like(layer.token_index, dtype=torch.bool))
 
 
 class Schedule:
-    """A cache's compression: its counters (passes, holds, when a row may be due next) and the
-    decisions taken at the end of each pass."""
+    """A cache's compression: its counters (passes, holds, when a row may be due) and decisions."""
 
     def __init__(self, cache, evict_every: int = 1):
         if not whole(evict_every) or evict_every < 1:
@@ -54,9 +41,7 @@ class Schedule:
     def restart(self) -> None:
         self.forwards = 0  # passes completed (a hold counts as one)
         self.allocated = False
-        # Decoding in batches of steps: the tokens that can still be fed before a row may be due, and
-        # the tokens seen (padding included) when that was counted.
-        self.quiet = self.seen_at_check = 0
+        self.quiet = self.seen_at_check = 0  # tokens fed before a row may be due; tokens seen when counted
 
     def end_of_forward(self) -> None:
         if not self.holds:
@@ -73,8 +58,8 @@ class Schedule:
             self.compress()
 
     def compress(self) -> None:
-        """Bring sliding-window layers back to their window; allocate budgets if it is time, then
-        bring every other layer over its budget back to it."""
+        """Bring sliding-window layers back to their window, allocate budgets if it is time, and bring
+        every other layer back to its budget."""
         if not self.cache.layers[0].is_initialized:
             return
         try:
@@ -124,7 +109,7 @@ class Schedule:
         self._shrink_layers(layers, kept, target, policy, in_place=batched)
 
     def may_evict_after(self, n_query: int) -> bool:
-        """Whether the pass running now (``n_query`` new tokens per row) may end in an eviction."""
+        """Whether the pass running (``n_query`` new tokens per row) may end in an eviction."""
         return not (self.allocated and self.evict_every > 1 and self.cache.policy.evicts_during_decode
                     and n_query <= self.quiet)
 
@@ -148,9 +133,8 @@ class Schedule:
         cache.prober.forget()
 
     def limit(self, budget: torch.Tensor, real_seen: torch.Tensor) -> torch.Tensor:
-        """Budgets (of one layer's rows, or every layer's) as they hold now: as allocated, never below
-        the floor ``min(seen, min_tokens)`` of a ratio budget (a row below the floor grows until it
-        reaches it); UNLIMITED stays."""
+        """Budgets as they hold now: as allocated, never below a ratio budget's floor ``min(seen,
+        min_tokens)`` (a row below it grows to it); UNLIMITED stays."""
         if self.cache.budget.ratio is None:
             return budget
         floor = real_seen.clamp_max(self.cache.budget.min_tokens)
@@ -166,13 +150,11 @@ class Schedule:
 
     def _shrink_layers(self, layers: list, kept: torch.Tensor, target: torch.Tensor, chooser,
                        in_place: bool = False) -> None:
-        """Bring each of ``layers`` from ``kept`` to ``target`` tokens per row ((L, B) each), keeping
-        what ``chooser`` (the policy, or the window's rule) scores and protects; its merge, if it has
-        one, folds what left into what stayed. The layers of a decode step (one token each per row and
-        KV head, or k when evicting every k steps) go to the merge in one call, which may decide them
-        together; a larger eviction (the prefill's) is merged as soon as its layer is shrunk, so that
-        one layer's copies are held at a time. ``in_place``: decoding in batches of steps (the evicted
-        slots of a decode step are emptied where they are)."""
+        """Bring each of ``layers`` from ``kept`` to ``target`` tokens per row ((L, B) each), keeping what
+        ``chooser`` (the policy, or the window's rule) scores and protects, its merge folding in what
+        left. A decode step's layers go to the merge in one call; a larger eviction (the prefill's) is
+        merged layer by layer (one layer's copies held at a time). ``in_place``: evicting in batches
+        of steps (a decode step's evicted slots are emptied where they are)."""
         excess = kept - target
         most, fewest = excess.amax(-1).tolist(), excess.amin(-1).tolist()
         merging = []
@@ -199,30 +181,26 @@ class Schedule:
     def _shrink(self, layer, target: torch.Tensor, excess: torch.Tensor, most: int, fewest: int, chooser,
                 in_place: bool = False) -> Evicted | None:
         """Bring ``layer`` down to ``target`` (B,) tokens per row, ``excess`` (B,) fewer than it holds
-        (``most`` and ``fewest`` of them); return what left (copies) when the chooser's merge is to
-        fold it in, else None. A decode step evicts at most one token per row and KV head: its slot is
-        only marked empty. A larger eviction gathers the kept slots into new tensors, but one of a
-        decode step evicting in batches of steps (``in_place``), whose slots are marked empty."""
+        (``most`` and ``fewest`` of them); returns copies of what left when a merge folds it in."""
         scores, protected = chooser.score(layer.view), chooser.protected(layer.view, target)
         if scores.dtype != torch.float32:
             scores = scores.float()
         merge = chooser.merge
         evicted = None
         if most == 1 and layer.owns_storage:
-            rows = None if fewest == 1 else excess > 0
             victim = select_victim(scores, protected, layer.token_index)
             if merge is not None:
                 evicted = layer.evicted(victim, (excess > 0)[:, None], merge.reads, merge.vectors)
-            layer.drop(victim, rows)
+            layer.drop(victim, None if fewest == 1 else (excess > 0)[:, None])
         elif in_place:  # the evicted slots are emptied where they are, for the next tokens to fill
             slots, valid = select_evicted(scores, protected, layer.token_index, excess)
             if merge is not None:
                 evicted = layer.evicted(slots, valid, merge.reads, merge.vectors)
-            layer.drop_many(slots, valid)
+            layer.drop(slots, valid)
         else:  # a longer input was appended: the kept slots are gathered, k empty ones after them
             keep, keep_valid = select_kept(scores, protected, layer.token_index, target)
             if merge is not None:
-                evicted = layer.evicted(*evicted_slots(layer.valid, keep, keep_valid, target), merge.reads,
+                evicted = layer.evicted(*select_evicted(scores, protected, layer.token_index, excess), merge.reads,
                                         merge.vectors)
             # The layer is then as wide as it will be when decoding (budget + evict_every).
             policy = self.cache.policy

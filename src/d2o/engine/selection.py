@@ -1,24 +1,15 @@
-"""Which slots a layer keeps: pure tensor functions over (batch, kv_heads, slots) scores.
-
-The cache asks its method for scores and protected slots, and these functions turn them into
-slot indices: the kept ones, the evicted ones, and copies of the slots' contents.
-"""
+"""Which slots a layer keeps: pure tensor functions of (batch, kv_heads, slots) scores."""
 
 from __future__ import annotations
 
 import torch
 
 
-def select_kept(
-    scores: torch.Tensor, protected: torch.Tensor, token_index: torch.Tensor, target: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row and KV head, the ``target[b]`` highest-scoring valid slots, protected ones first.
-
-    ``scores``, ``protected`` and ``token_index`` are (B, G, N), ``target`` (B,). Equal scores
-    (max pooling makes plateaus) go to the newer token, so where a token sits in storage never
-    changes the choice. Returns slot indices (B, G, K) in increasing slot order, K = max(target),
-    and (B, K) validity: row b's entries past ``target[b]`` are padding.
-    """
+def select_kept(scores: torch.Tensor, protected: torch.Tensor, token_index: torch.Tensor,
+                target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row and KV head the ``target[b]`` highest-scoring valid slots (B, G, N each), protected ones
+    first; equal scores (pooling makes plateaus) go to the newer token, so a token's slot never
+    changes the choice. Slot indices (B, G, K) in slot order, K = max(target), and (B, K) validity."""
     n_slots = scores.shape[-1]
     ranked = scores.masked_fill(protected, float("inf")).masked_fill(token_index < 0, float("-inf"))
     newest_first = token_index.argsort(dim=-1, descending=True)
@@ -40,30 +31,12 @@ def select_victim(scores: torch.Tensor, protected: torch.Tensor, token_index: to
     return older_first.argmin(-1, keepdim=True)
 
 
-def evicted_slots(
-    valid: torch.Tensor, keep: torch.Tensor, keep_valid: torch.Tensor, target: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The valid slots (``valid``: B, G, N) that ``keep`` leaves out, in slot order: indices
-    (B, G, E) and (B, E) validity (every KV head of a row evicts as many)."""
-    batch, heads, _ = keep.shape
-    kept = torch.zeros((batch, heads, valid.shape[-1]), dtype=torch.bool, device=valid.device)
-    kept.scatter_(2, keep, keep_valid[:, None, :].expand_as(keep))
-    evicted = valid & ~kept
-    count = valid[:, 0].sum(-1) - target
-    width = int(count.max())
-    order = evicted.to(torch.int8).sort(dim=-1, descending=True, stable=True).indices[..., :width]
-    evict_valid = torch.arange(width, device=valid.device)[None, :] < count[:, None]
-    return order, evict_valid
-
-
-def select_evicted(
-    scores: torch.Tensor, protected: torch.Tensor, token_index: torch.Tensor, count: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+def select_evicted(scores: torch.Tensor, protected: torch.Tensor, token_index: torch.Tensor,
+                   count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The slots ``select_kept`` leaves out when it keeps all valid slots of row b but ``count[b]``,
     found directly (an eviction of a few slots during decoding): per row and KV head, the lowest
     scores among the valid slots, unprotected ones first, the older token among equal scores.
-    Indices (B, G, E) in increasing slot order, E = max(count), and (B, E) validity, as
-    ``evicted_slots`` returns them."""
+    Indices (B, G, E) in increasing slot order, E = max(count), and (B, E) validity."""
     n_slots = scores.shape[-1]
     empty = token_index < 0
     ranked = scores.masked_fill(protected | empty, float("inf"))

@@ -1,12 +1,11 @@
 """A layer's per-slot fields as one table, and the vacancies decoding writes into.
 
-Every field of a ``SlotTable`` is (B, G, N, ...): rows of the batch, stored KV heads, slots. The
-fields are listed here, once: how the keys and values are stored (``vectors``: keys and values, or
-their packed parts), the index of the token each slot holds among its row's real tokens
-(``token_index``; -1: an empty slot), the log of how many tokens each slot stands for
-(``log_weight``; None: one each) and the method's state (``state``, by name). Gathering, selecting
-rows, padding, joining, copying, snapshots and state dicts map over them all; an empty slot holds
--1 as its token index and zeros everywhere else.
+Every field of a ``SlotTable`` is (B, G, N, ...): rows, stored KV heads, slots. They are listed
+here, once: the keys and values as stored (``vectors``: themselves, or their packed parts), each
+slot's token index among its row's real tokens (``token_index``; -1: empty), the log of the tokens
+it stands for (``log_weight``; None: one each) and the method's state (``state``, by name).
+Gathering, selecting rows, padding, joining, copying, snapshots and state dicts map over them all;
+an empty slot holds -1 as its token index and zeros in every other field.
 """
 
 from __future__ import annotations
@@ -15,16 +14,15 @@ from dataclasses import dataclass
 
 import torch
 
-from d2o.engine.selection import take_flat, take_slots
+from d2o.engine.selection import flat_offsets, take_flat, take_slots
 
 EMPTY_INDEX = -1  # the token index of an empty slot (every other field holds zeros there)
 
 
 def _with_empty_slots(tensor: torch.Tensor, count: int, fill) -> torch.Tensor:
-    """``tensor`` (B, G, N, ...) with ``count`` more slots holding ``fill`` (itself when none)."""
-    if count <= 0:
-        return tensor
-    return torch.cat([tensor, tensor.new_full((*tensor.shape[:2], count, *tensor.shape[3:]), fill)], dim=2)
+    """``tensor`` (B, G, N, ...) with ``count`` more slots holding ``fill``."""
+    return tensor if count <= 0 else \
+        torch.cat([tensor, tensor.new_full((*tensor.shape[:2], count, *tensor.shape[3:]), fill)], dim=2)
 
 
 class SlotTable:
@@ -34,14 +32,8 @@ class SlotTable:
                  log_weight: torch.Tensor | None = None, state: dict[str, torch.Tensor] | None = None):
         self.vectors, self.token_index, self.log_weight = vectors, token_index, log_weight
         self.state = {} if state is None else state
-
-    def fields(self):
-        """Every field as ``(kind, name, tensor)``: vectors, token_index, log_weight, state."""
-        yield from (("vectors", name, tensor) for name, tensor in self.vectors.items())
-        yield "token_index", "token_index", self.token_index
-        if self.log_weight is not None:
-            yield "log_weight", "log_weight", self.log_weight
-        yield from (("state", name, tensor) for name, tensor in self.state.items())
+        self._offsets: torch.Tensor | None = None  # (B, G, 1): where each row and head starts in a flat view
+        self._known: list[tuple[torch.Tensor, torch.Tensor]] = []  # `flat`'s last two slots, and answers
 
     def map(self, fn) -> SlotTable:
         """A new table of ``fn(tensor, fill)`` for every field (``fill``: what an empty slot holds)."""
@@ -50,13 +42,26 @@ class SlotTable:
                          None if self.log_weight is None else fn(self.log_weight, 0),
                          {name: fn(tensor, 0) for name, tensor in self.state.items()})
 
-    @property
-    def width(self) -> int:
-        return self.token_index.shape[2]
+    width = property(lambda table: table.token_index.shape[2])
+
+    def flat(self, slots: torch.Tensor) -> torch.Tensor:
+        """The slots (B, G, K) as one index into the flat views (B * G * N, ...) of every field."""
+        batch, heads, width = self.token_index.shape
+        if self._offsets is None or self._offsets.shape[:2] != (batch, heads) or self._offsets_width != width:
+            self._offsets, self._offsets_width = flat_offsets(batch, heads, width, self.token_index.device), width
+            self._known = []
+        # A decode step asks four times for the victims' slots (copied, emptied, written, admitted) and
+        # a merge for its targets': each is computed once.
+        for known, index in self._known:
+            if known is slots:
+                return index
+        index = (slots + self._offsets).flatten()
+        self._known = [(slots, index), *self._known[:1]]
+        return index
 
     def take(self, slots: torch.Tensor, valid: torch.Tensor | None = None, slack: int = 0) -> SlotTable:
-        """The slots ``slots`` (B, G, K), gathered into new tensors; where ``valid`` (B, K) is False
-        (a row keeping fewer than K) they are emptied; ``slack`` empty slots more after them."""
+        """The slots (B, G, K) gathered into new tensors, emptied where ``valid`` (B, K) is False (a row
+        keeping fewer than K), ``slack`` empty ones after them."""
         empty = None if valid is None or bool(valid.all()) else ~valid[:, None, :]
 
         def gather(tensor: torch.Tensor, fill) -> torch.Tensor:
@@ -82,33 +87,30 @@ class SlotTable:
                                                 if part is None else part, width - table.width, fill)
                               for part, table in zip(parts, tables)])
 
-        def named(dicts: list[dict]) -> dict[str, torch.Tensor]:
+        def by_name(dicts: list[dict]) -> dict[str, torch.Tensor]:
             return {name: cat([fields.get(name) for fields in dicts], 0)
                     for name in dict.fromkeys(name for fields in dicts for name in fields)}
 
         weights = [table.log_weight for table in tables]
-        return SlotTable(named([table.vectors for table in tables]),
+        return SlotTable(by_name([table.vectors for table in tables]),
                          cat([table.token_index for table in tables], EMPTY_INDEX),
                          None if all(weight is None for weight in weights) else cat(weights, 0),
-                         named([table.state for table in tables]))
+                         by_name([table.state for table in tables]))
 
     def shared(self) -> SlotTable:
-        """A table sharing the vectors and token indices (neither then written in place), with copies
-        of what is accumulated into (log weights, state)."""
+        """A table sharing the vectors and token indices, with copies of the log weights and state."""
         return SlotTable(dict(self.vectors), self.token_index,
                          None if self.log_weight is None else self.log_weight.clone(),
                          {name: state.clone() for name, state in self.state.items()})
 
     def forked(self, prefix: str) -> SlotTable:
-        """Another method's table over the same vectors and tokens: the state under ``prefix``, renamed
-        and copied (``CompressedCache.fork``)."""
+        """Another method's table over the same vectors and tokens: the state under ``prefix``, copied."""
         return SlotTable(dict(self.vectors), self.token_index,
-                         state={name[len(prefix):]: state.clone() for name, state in self.state.items()
-                                if name.startswith(prefix)})
+                         state={name: state.clone() for name, state in named(self.state, prefix).items()})
 
     def grow(self, token_index: torch.Tensor) -> None:
         """Append the slots of tokens whose vectors were appended already: their token indices
-        (B, G, q) given, the other fields zeros."""
+        (B, G, q), zeros in the other fields."""
         count = token_index.shape[2]
         self.token_index = torch.cat([self.token_index, token_index], dim=2)
         if self.log_weight is not None:
@@ -116,8 +118,8 @@ class SlotTable:
         self.state = {name: _with_empty_slots(state, count, 0) for name, state in self.state.items()}
 
     def restored(self, snapshot: SlotTable) -> SlotTable:
-        """The table as it was at ``snapshot`` (a shallow copy), but for what the passes since wrote
-        into the state of its slots (a probe's statistics)."""
+        """The table at ``snapshot`` (a shallow copy) but for the state the passes since wrote into its
+        slots (a probe's statistics)."""
         width = snapshot.width
         return SlotTable(dict(snapshot.vectors), snapshot.token_index, snapshot.log_weight,
                          {name: state[:, :, :width].contiguous() for name, state in self.state.items()})
@@ -125,41 +127,40 @@ class SlotTable:
     def snapshot(self) -> SlotTable:
         return SlotTable(dict(self.vectors), self.token_index, self.log_weight, dict(self.state))
 
-    def copies(self, rows: torch.Tensor, shape: torch.Size, states: tuple[str, ...] | None) -> dict:
-        """Copies of the token indices, log weights and ``states`` (None: all) of some slots, given as
-        ``rows`` of the flat views ((B * G * N, ...)), each shaped ``shape`` (B, G, K)."""
-        return {"token_index": take_flat(self.token_index, rows, shape),
-                "log_weight": None if self.log_weight is None else take_flat(self.log_weight, rows, shape),
-                "slot_state": {name: take_flat(state, rows, shape) for name, state in self.state.items()
+    def copies(self, index: torch.Tensor, shape: torch.Size, states: tuple[str, ...] | None) -> dict:
+        """Copies of the token indices, log weights and ``states`` (None: all) of the slots at flat
+        ``index``, each shaped ``shape`` (B, G, K)."""
+        return {"token_index": take_flat(self.token_index, index, shape),
+                "log_weight": None if self.log_weight is None else take_flat(self.log_weight, index, shape),
+                "slot_state": {name: take_flat(state, index, shape) for name, state in self.state.items()
                                if states is None or name in states}}
 
-    def clear(self, rows: torch.Tensor) -> None:
-        """Zero the state and log weight of the slots at ``rows`` of the flat views, in place."""
+    def clear(self, index: torch.Tensor) -> None:
+        """Zero the state and log weight of the slots at flat ``index``, in place."""
         for state in self.state.values():
-            flat(state).index_fill_(0, rows, 0)
+            flat(state).index_fill_(0, index, 0)
         if self.log_weight is not None:
-            self.log_weight.view(-1).index_fill_(0, rows, 0)
+            self.log_weight.view(-1).index_fill_(0, index, 0)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The fields by name: ``stored.NAME`` (vectors), ``token_index``, ``log_weight``, ``slot.NAME``."""
-        prefixes = {"vectors": "stored.", "state": "slot."}
-        return {prefixes.get(kind, "") + name: tensor for kind, name, tensor in self.fields()}
+        return {**{f"stored.{name}": tensor for name, tensor in self.vectors.items()}, "token_index": self.token_index,
+                **({} if self.log_weight is None else {"log_weight": self.log_weight}),
+                **{f"slot.{name}": tensor for name, tensor in self.state.items()}}
 
     @classmethod
     def from_state_dict(cls, tensors: dict[str, torch.Tensor]) -> SlotTable:
-        def named(prefix: str) -> dict[str, torch.Tensor]:
-            return {name[len(prefix):]: tensor for name, tensor in tensors.items() if name.startswith(prefix)}
+        return cls(named(tensors, "stored."), tensors["token_index"], tensors.get("log_weight"),
+                   named(tensors, "slot."))
 
-        return cls(named("stored."), tensors["token_index"], tensors.get("log_weight"), named("slot."))
+    vector_bytes = property(lambda table: sum(tensor.nbytes for tensor in table.vectors.values()))
+    bookkeeping_bytes = property(lambda table: sum(tensor.nbytes for name, tensor in table.state_dict().items()
+                                                   if not name.startswith("stored.")), doc="All but the vectors.")
 
-    @property
-    def vector_bytes(self) -> int:
-        return sum(tensor.nbytes for tensor in self.vectors.values())
 
-    @property
-    def bookkeeping_bytes(self) -> int:
-        """Bytes of the token indices, log weights and state."""
-        return sum(tensor.nbytes for kind, _, tensor in self.fields() if kind != "vectors")
+def named(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """The tensors whose names begin with ``prefix``, by the rest of their names."""
+    return {name[len(prefix):]: tensor for name, tensor in tensors.items() if name.startswith(prefix)}
 
 
 def flat(tensor: torch.Tensor) -> torch.Tensor:
@@ -169,12 +170,10 @@ def flat(tensor: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class Vacancies:
-    """The slots an eviction emptied in every row and KV head, each step's ready to write into: the
-    next tokens take them in order. Per step: ``slots`` (B, G, 1) (the token's slot in each row and
-    head); ``bias_slots`` (B, G, 1, 1) and ``key_slots``/``value_slots`` (B, G, 1, D), the same slots
-    as scatter indices into the logit bias, the keys and the values; ``token_index`` (B, G, 1) the
-    index the token gets and ``real_seen`` (B,) the row's tokens after it, if every token up to it
-    is real (the prepared ones count so; a padded step computes them)."""
+    """The slots an eviction emptied in every row and KV head, taken by the next tokens in order, each
+    step's prepared: ``slots`` (B, G, 1), as scatter indices into the logit bias (``bias_slots``) and
+    the keys and values (``key_slots``/``value_slots``), the token's index and the row's real tokens
+    after it (``token_index``, ``real_seen``: right while every token is real)."""
 
     slots: tuple[torch.Tensor, ...]
     bias_slots: tuple[torch.Tensor, ...]

@@ -1,10 +1,8 @@
-"""Exact attention statistics without the S x S matrix.
+"""Exact attention statistics without the S x S matrix, and each token's surprisal.
 
-Methods score tokens from the attention they receive. The output of attention comes from the
-fast kernel (SDPA / flash), which never exposes probabilities; here the probabilities are
-recomputed exactly, a chunk of query rows at a time (each row is complete, so its softmax is
-exact), and reduced at once: peak extra memory is one chunk of rows plus the (B, H, N) results,
-linear in the sequence length.
+The attention's output comes from a fast kernel that never exposes probabilities: here they are
+recomputed exactly a chunk of query rows at a time (each row complete, so its softmax is exact) and
+reduced at once: the extra memory is one chunk of rows plus the (B, H, N) results.
 """
 
 from __future__ import annotations
@@ -17,15 +15,11 @@ from d2o.engine.api import AttentionStats, StatsRequest
 CHUNK_ELEMENTS = 1 << 21
 
 
-def allowed_keys(
-    kv_valid: torch.Tensor, q_start: int, q_end: int, n_new: int, n_keys: int, window_mask=None
-) -> torch.Tensor:
-    """(B, G, c, n_keys) bool: which of the first ``n_keys`` slots queries ``q_start:q_end`` may see.
-
-    ``kv_valid`` is (B, G, N), G the KV heads (or 1 when every head holds the same slots). The
-    ``n_new`` newest slots are this pass's queries themselves (causal, bottom-right aligned); older
-    slots are visible when valid. ``window_mask`` (optional callable) adds a sliding window.
-    """
+def allowed_keys(kv_valid: torch.Tensor, q_start: int, q_end: int, n_new: int, n_keys: int,
+                 window_mask=None) -> torch.Tensor:
+    """(B, G, c, n_keys) bool: which of the first ``n_keys`` slots queries ``q_start:q_end`` may see:
+    ``kv_valid`` (B, G|1, N) where valid, the ``n_new`` newest (the queries' own) causally, bottom-right
+    aligned; ``window_mask`` (a callable) adds a sliding window."""
     device = kv_valid.device
     past = kv_valid.shape[-1] - n_new
     rows = torch.arange(q_start, q_end, device=device)[:, None] + past
@@ -36,27 +30,14 @@ def allowed_keys(
     return allowed
 
 
-def attention_stats(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    kv_valid: torch.Tensor,
-    query_valid: torch.Tensor,
-    scaling: float,
-    request: StatsRequest,
-    window_mask=None,
-    log_weight: torch.Tensor | None = None,
-    value: torch.Tensor | None = None,
-) -> AttentionStats:
-    """Compute ``request`` for queries (B, H, q, D) over keys (B, G, N, D), exactly, in query chunks;
-    with ``value`` (B, G, N, D) given and column statistics asked for, the attention output as well,
-    from the same probabilities (one pass over the scores instead of two).
-
-    ``kv_valid`` (B, G, N) marks real slots per KV head (the last q are the queries' own),
-    ``query_valid`` (B, q) real queries: padding queries contribute nothing; ``log_weight``
-    (B, G, N), if given, is added to the slots' logits (a slot standing for several tokens). Each
-    chunk is one plain matrix product per row and KV head (the query heads of a group stacked),
-    restricted to the keys its rows can see.
-    """
+def attention_stats(query: torch.Tensor, key: torch.Tensor, kv_valid: torch.Tensor, query_valid: torch.Tensor,
+                    scaling: float, request: StatsRequest, window_mask=None, log_weight: torch.Tensor | None = None,
+                    value: torch.Tensor | None = None) -> AttentionStats:
+    """``request`` for queries (B, H, q, D) over keys (B, G, N, D), exactly, in query chunks, and with
+    ``value`` given and column statistics asked, the output from the same probabilities.
+    ``kv_valid`` (B, G, N): real slots (the last q the queries' own); ``query_valid`` (B, q): real
+    queries (padding's count nothing); ``log_weight`` (B, G, N) is added to the logits. A chunk is one
+    matrix product per row and KV head (a group's query heads stacked) over the keys it can see."""
     batch, heads, n_query, dim = query.shape
     kv_heads, n_keys = key.shape[1], key.shape[2]
     group = heads // kv_heads
@@ -124,21 +105,15 @@ def attention_stats(
 
 # Logits held at once while computing surprisal (float32 elements): 16 MB.
 SURPRISAL_CHUNK_ELEMENTS = 1 << 22
-# Positions whose logits a plain linear head computes together, a slice of the vocabulary at a time:
-# each slice of its weights is then read once for them all (a 4K prompt's output head in 1.3 s
-# against 2.1 s a chunk of 85 positions over the whole vocabulary at a time, which reads every
-# weight 48 times).
+# Positions a plain linear head computes together, a slice of the vocabulary at a time (read once for all).
 SURPRISAL_ROWS = 4096
 
 
 def _logit_tiles(lm_head, hidden: torch.Tensor):
     """Yield ``(rows, first, logits)``: the logits of ``hidden[rows]`` (n, d) for the vocabulary from
-    token ``first`` on, tiles covering all (n, V) of them, each at most SURPRISAL_CHUNK_ELEMENTS.
-
-    A plain linear head is read in slices of the vocabulary, every tile written into one buffer (a
-    fresh multi-MB tensor per tile costs a page fault per 4 KB). Any other head (quantized,
-    subclassed, or wrapped by accelerate's hooks), and any head for positions that fit one tile
-    whole (a decode step's), is called as it is, on a few positions at a time."""
+    ``first`` on, tiles of at most SURPRISAL_CHUNK_ELEMENTS covering all (n, V). A plain linear head
+    is read in slices of the vocabulary into one buffer (a fresh tensor per tile costs page faults);
+    any other head, or positions that fit one tile (a decode step's), calls the head as it is."""
     n, vocab = hidden.shape[0], lm_head.weight.shape[0]
     whole_rows = max(1, SURPRISAL_CHUNK_ELEMENTS // vocab)  # positions whose logits make one tile
     if (n <= whole_rows or type(lm_head) is not torch.nn.Linear or hasattr(lm_head, "_hf_hook")
@@ -186,14 +161,10 @@ def token_surprisal(
     input_ids: torch.Tensor, hidden: torch.Tensor, lm_head, valid: torch.Tensor, previous: torch.Tensor | None,
     previous_logits: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """-log p(x_t | x_<t) for each new token (B, q), float32; 0 for padding and a row's first token.
-
-    ``hidden`` (B, q, d) is the decoder's final hidden state, ``previous`` (B, d) the last real
-    token's from the pass before (its prediction scores this pass's first token), and
-    ``previous_logits`` (B, V), if known, ``lm_head(previous)`` as the model computed it already.
-    Logits are computed a tile at a time, never (q, vocab) at once. Returns the surprisal and the
-    new ``previous``.
-    """
+    """-log p(x_t | x_<t) of each new token (B, q), float32 (0: padding, a row's first token), and the
+    new ``previous``. ``hidden`` (B, q, d): the final hidden states; ``previous`` (B, d): the last real
+    token's of the pass before (it predicts this pass's first token), ``previous_logits`` (B, V) its
+    logits if the model computed them. Logits a tile at a time, never (q, vocab) at once."""
     batch, n_new, _ = hidden.shape
     surprisal = torch.zeros((batch, n_new), dtype=torch.float32, device=hidden.device)
     predictors = hidden[:, :-1]

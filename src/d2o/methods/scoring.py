@@ -183,20 +183,20 @@ class BlendedScores(AccumulatedAttention):
         return TokenValues(values)
 
     def score(self, layer) -> torch.Tensor:
-        valid = layer.valid
+        empty = layer.token_index < 0
         mass = layer.slot_state[MASS].sum(-1)
         if self.mean:
             mass = mass / (layer.real_seen[:, None, None] - layer.token_index).clamp_min(1)
-        total = share(mass, valid)
+        total = share(mass, empty)
         if VOTES in layer.slot_state:
             votes = layer.slot_state[VOTES]
             if WORD in layer.slot_state:
-                votes = max_over_words(votes, layer.slot_state[WORD].long(), valid, layer.seen)
-            total += share(votes, valid)
+                votes = max_over_words(votes, layer.slot_state[WORD].long(), ~empty, layer.seen)
+            total += share(votes, empty)
         if self.surprisal and SURPRISAL in layer.slot_state:
-            total += self.surprisal * share(layer.slot_state[SURPRISAL], valid)
+            total += self.surprisal * share(layer.slot_state[SURPRISAL], empty)
         if self.novelty and NOVELTY in layer.slot_state:
-            total += self.novelty * share(layer.slot_state[NOVELTY], valid)
+            total += self.novelty * share(layer.slot_state[NOVELTY], empty)
         return total
 
 
@@ -211,9 +211,9 @@ def scoring_named(name: str) -> Scoring:
     return scorings[name]()
 
 
-def share(scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """``scores`` (B, G, N) over valid slots, normalised to sum to one per row and head."""
-    scores = scores.float().masked_fill(~valid, 0.0)
+def share(scores: torch.Tensor, empty: torch.Tensor) -> torch.Tensor:
+    """``scores`` (B, G, N) over the slots not ``empty``, normalised to sum to one per row and head."""
+    scores = scores.float().masked_fill(empty, 0.0)
     return scores / scores.sum(-1, keepdim=True).clamp_min(1e-12)
 
 

@@ -30,7 +30,7 @@ from d2o.runtime.decoding import Batch, Sampling, Sequence, seconds_since
 from d2o.runtime.generation import Generation, resolve
 from d2o.runtime.prompts import as_list, check_length, encode, stop_token_ids
 
-FORMAT = 2  # the layout of a saved context; a file of another layout is refused
+FORMAT = 3  # the layout of a saved context; a file of another layout is refused
 DEFAULT_METHOD = "d2o-novelty"  # the method kept for questions that come after compression
 
 
