@@ -2,13 +2,15 @@
 meant to keep behaviour (a reshape of the engine) made it slower.
 
 Each commit runs from a worktree of its own with this checkout's virtual environment. A run's
-times vary with the machine's load; its ratios to the baselines timed in the same process
-(``time_vs_full``; ``vs_sdpa`` for the prefill) vary far less. Per row the table gives, for each
-commit, the median over the rounds of the time and of that ratio, and the second commit's median
-ratio over the first's::
+times vary with the machine's load; its ratios to a baseline timed in the same process vary far
+less: the time of the row of method ``--against`` at the same length and batch (by default the
+command's own ratio: ``time_vs_full``; ``vs_sdpa`` for the prefill). Per row the table gives, for
+each commit, the median over the rounds of the time and of that ratio, and the second commit's
+median ratio over the first's::
 
-    python benchmarks/commits_side_by_side.py --before f26766a --after HEAD --rounds 3 -- \\
-        bench decode --methods full,d2o,d2o-plus --lengths 1024,4096 --evict-every 8 --budget-sized-full
+    python benchmarks/commits_side_by_side.py --before f26766a --after HEAD --rounds 5 \\
+        --against "full, budget-sized" -- bench decode --methods full,d2o,d2o-plus \\
+        --lengths 1024,4096 --evict-every 8 --budget-sized-full
 """
 
 from __future__ import annotations
@@ -51,24 +53,30 @@ def main() -> None:
     parser.add_argument("--before", required=True)
     parser.add_argument("--after", required=True)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--against", help="the method whose time in the same run each ratio is to")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- bench decode|prefill OPTIONS")
     args = parser.parse_args()
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     time, ratio = TIMES[command[1]]
+    ratio_name = f"vs {args.against}" if args.against else ratio
     found: dict[tuple, dict[str, list]] = {}
     with tempfile.TemporaryDirectory() as scratch:
         trees = {revision: worktree(revision, Path(scratch)) for revision in (args.before, args.after)}
         try:
             for round_ in range(args.rounds):
                 for revision, tree in trees.items():
-                    for row in run(tree, command, Path(scratch) / f"{revision}-{round_}".replace("/", "_")):
+                    rows = run(tree, command, Path(scratch) / f"{revision}-{round_}".replace("/", "_"))
+                    base = {(row["length"], row.get("batch")): row[time] for row in rows
+                            if row["method"] == args.against}
+                    for row in rows:
                         cell = found.setdefault(tuple(row.get(key) for key in KEYS), {})
-                        cell.setdefault(revision, []).append((row[time], row[ratio]))
+                        share = row[time] / base[row["length"], row.get("batch")] if args.against else row[ratio]
+                        cell.setdefault(revision, []).append((row[time], share))
         finally:
             for tree in trees.values():
                 subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)
-    print(f"| {' | '.join(KEYS)} | {time} {args.before} | {time} {args.after} | {ratio} {args.before} | "
-          f"{ratio} {args.after} | after / before |")
+    print(f"| {' | '.join(KEYS)} | {time} {args.before} | {time} {args.after} | {ratio_name} {args.before} | "
+          f"{ratio_name} {args.after} | after / before |")
     print("|" + "---|" * (len(KEYS) + 5))
     for key, cell in found.items():
         medians = {revision: [statistics.median(values) for values in zip(*cell[revision])] for revision in cell}

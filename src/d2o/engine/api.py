@@ -175,8 +175,9 @@ class Allocated:
 @dataclass
 class Merged:
     """What a merge changed in a layer: ``count`` (B,) pairs merged; new ``keys``/``values`` (B, G, K,
-    D) of the slots ``slots`` (B, G, K) (None: of every slot), of which only ``changed`` (B, G, K) may
-    differ (None: any); the layer's new ``log_weight`` (B, G, N), ``slot_state`` and ``state``."""
+    D) of the slots ``slots`` (B, G, K) (None: of every slot), of which only those nonzero in
+    ``changed`` (B, G, K) may differ (None: any); the new ``log_weight`` (B, G, N), ``slot_state``,
+    ``state``."""
 
     count: torch.Tensor
     slots: torch.Tensor | None = None

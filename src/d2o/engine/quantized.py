@@ -155,7 +155,7 @@ class QuantizedLayer(CompressedLayer):
         batch, heads, n_slots = opened.shape[:3]
         index = torch.arange(batch * heads * n_slots, device=opened.device) if merged.slots is None \
             else self.slots.flat(merged.slots)
-        named = slice(None) if merged.changed is None else merged.changed.flatten()
+        named = slice(None) if merged.changed is None else merged.changed.flatten() != 0
         index = index[named]
         before = flat(opened).view(-1, 2, self.key_dim).index_select(0, index)
         after = before.clone()

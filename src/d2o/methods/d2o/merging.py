@@ -292,7 +292,7 @@ class SimilarityMerge:
     def _fold_many(self, layer, evicted: Evicted, target, merged, source_weight, counts,
                    parts: tuple[str, ...]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """The fold of one layer evicting several tokens per row and head (several may share a
-        target): the new ``parts`` of every slot, and (B, G, N) which slots received tokens."""
+        target): the new ``parts`` of every slot, and (B, G, N) how many tokens each received."""
         keys = layer.keys
         received = torch.zeros(keys.shape[:3], dtype=torch.int32, device=keys.device)
         received.scatter_add_(2, target, merged.int())
@@ -309,9 +309,9 @@ class SimilarityMerge:
             numerator = kept.float() * own[..., None]
             contribution = sources.float() * source_weight[..., None]
             numerator.scatter_add_(2, target[..., None].expand_as(contribution), contribution)
-            folded[part] = torch.where(received[..., None] > 0, numerator / denominator[..., None],
-                                       kept.float()).to(kept.dtype)
-        return folded, received > 0
+            folded[part] = as_dtype(torch.where(received[..., None] > 0, numerator / denominator[..., None],
+                                                kept.float()), kept.dtype)
+        return folded, received
 
     def _attention(self, slot_state: dict, token_index: torch.Tensor, real_seen: torch.Tensor) -> torch.Tensor:
         """(B, G, n) the attention the slots of ``slot_state`` received, as ``attention`` says."""
