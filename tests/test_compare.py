@@ -11,10 +11,11 @@ from d2o.eval.results import SampleStore
 from tests.test_errors import run_cli
 
 
-def write_folder(path, lines, task="niah", protocol="prompt"):
+def write_folder(path, lines, task="niah", protocol="prompt", seed=0, **identity):
     """A results folder as d2o eval leaves it: config.json with its identity, samples.jsonl."""
     path.mkdir()
-    (path / "config.json").write_text(json.dumps({"identity": {"task": task, "protocol": protocol, "model": "m"}}))
+    (path / "config.json").write_text(json.dumps({"identity": {"task": task, "protocol": protocol, "model": "m",
+                                                               "seed": seed, **identity}}))
     store = SampleStore(path / "samples.jsonl")
     for method, budget, sample_id, score, *curve in lines:
         store.append({"task": task, "subtask": None, "sample_id": sample_id, "method": method, "budget": budget,
@@ -85,7 +86,7 @@ def test_folders_of_one_task_and_protocol_are_also_pooled(tmp_path):
 
 @pytest.mark.parametrize("options, message", [
     ({"against": "c"}, "holds no run of 'c'; it holds a, b"),
-    ({"against": "a"}, "compare 'a' against another method, not itself"),
+    ({"against": "a"}, "compare 'a' against another method, or against itself run another way"),
     ({"confidence": 1.5}, "confidence=1.5 must be between 0 and 1"),
     ({"resamples": 0}, "resamples=0 must be at least 1"),
 ])
@@ -93,6 +94,24 @@ def test_bad_input_names_the_problem(tmp_path, options, message):
     folder = write_folder(tmp_path / "r", scores("a", "0.2", [1]) + scores("b", "0.5", [1]))
     with pytest.raises(D2OError, match=message):
         compare([folder], **{"method": "a", "against": "b", **options})
+
+
+def test_one_method_run_two_ways_pairs_across_two_folders_of_the_same_samples(monkeypatch, capsys, tmp_path):
+    chunked = write_folder(tmp_path / "chunked", scores("a", "0.2", [1, 0, 1]) + scores("b", "0.2", [0, 0, 0]),
+                           prefill_chunk=64)
+    whole = write_folder(tmp_path / "whole", scores("a", "0.2", [1, 1, 1]) + scores("full", "1", [1, 1, 0]))
+    (only,) = compare([chunked], "a", "a", resamples=100, against_paths=[whole])
+    assert (only.n, only.mean, only.mean_against, only.worse) == (3, 2 / 3, 1.0, 1)
+    (full,) = compare([chunked], "a", "full", resamples=100, against_paths=[whole])
+    assert (full.difference, full.better, full.worse) == (0.0, 1, 1)
+    code, out, _ = run_cli(monkeypatch, capsys, "compare", str(chunked), "--method", "a", "--against", "a",
+                           "--against-results", str(whole))
+    assert code == 0 and out.splitlines()[0].startswith("| results | budget | n | a (chunked) | a (whole) |")
+    other_seed = write_folder(tmp_path / "seed1", scores("a", "0.2", [1]), seed=1)
+    with pytest.raises(D2OError, match="hold different samples .* their runs do not pair"):
+        compare([chunked], "a", "a", against_paths=[other_seed])
+    with pytest.raises(D2OError, match="1 results folder.s. and 2 to compare against"):
+        compare([chunked], "a", "a", against_paths=[whole, other_seed])
 
 
 def test_methods_without_a_common_sample_or_a_folder_eval_did_not_write_are_refused(tmp_path):

@@ -102,10 +102,9 @@ def test_surprisal_equals_the_log_softmax_of_the_whole_logits(monkeypatch, chunk
     lm_head = _WrappedHead(linear) if head == "wrapped" else linear
     hidden, previous = torch.randn(2, n_new, dim, dtype=torch.float64), torch.randn(2, dim, dtype=torch.float64)
     ids = torch.randint(0, vocab, (2, n_new))
-    valid = torch.ones(2, n_new, dtype=torch.bool)
-    valid[1, :5] = False  # left padding
+    index = torch.stack([torch.arange(30, 30 + n_new), torch.arange(n_new) - 5]).clamp(min=-1)  # a row left-padded by 5
     with torch.inference_mode():
-        got, last = stats_module.token_surprisal(ids, hidden, lm_head, valid, previous)
+        got, last = stats_module.token_surprisal(ids, hidden, lm_head, index, previous)
     log_probs = torch.log_softmax(linear(torch.cat([previous[:, None], hidden[:, :-1]], dim=1)), dim=-1)
     expected = -log_probs.gather(-1, ids[..., None])[..., 0]
     expected[1, :6] = 0.0  # padding, and the first real token, predicted from padding

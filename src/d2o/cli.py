@@ -30,6 +30,10 @@ FLOOR_HELP = "Under a ratio budget, no layer is brought below min(tokens seen, N
 BENCH_EVICT_HELP = ("Evict in batches: a layer runs up to k-1 tokens over its budget (benchmarks evict at every "
                     "step unless told, as the committed tables; d2o generate and serve evict every 8).")
 EVICT_HELP = "Evict in batches: a layer runs up to k-1 tokens over its budget (1: evict at every step)."
+CHUNK_HELP = ("Prefill the prompt N tokens at a time, compressed after each chunk: the cache never holds more than "
+              "its budget and a chunk \\[default: whole].")
+QUESTION_BLIND_HELP = ("With --prefill-chunk: the methods that score with the question (the prompt's last tokens) "
+                       "are not shown it after each chunk (only the last chunk holds it).")
 KV_BITS_HELP = ("Store kept keys and values at 8, 4 or 2 bits (per token, groups of 32 channels; the newest 32 tokens "
                 "also in full precision) \\[default: none, the model's dtype].")
 
@@ -54,6 +58,10 @@ def generate(
     max_new_tokens: int = typer.Option(64, help="Tokens to generate."),
     evict_every: int = typer.Option(EVICT_EVERY, help=EVICT_HELP),
     kv_bits: Optional[str] = typer.Option(None, help=KV_BITS_HELP),
+    prefill_chunk: Optional[int] = typer.Option(None, help=CHUNK_HELP),
+    question_blind: bool = typer.Option(False, "--question-blind", help=QUESTION_BLIND_HELP),
+    kv_memory: Optional[str] = typer.Option(None, help="Refuse a prompt whose KV cache would exceed this at its "
+                                            "peak (the library's memory plan): 512MB, 2GiB or bytes."),
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template."),
     sample: bool = typer.Option(False, "--sample", help="Sample instead of greedy decoding."),
     temperature: Optional[float] = typer.Option(None, help="With --sample: the softmax temperature \\[default: 1.0]."),
@@ -90,6 +98,11 @@ def generate(
                                       ("--seed", seed)) if value is not None]
     if given and not sample:  # decoding would be greedy: the options would be silently ignored
         raise D2OError(f"{', '.join(given)} apply with --sample only (without it decoding is greedy)")
+    if question_blind and prefill_chunk is None:
+        raise D2OError("--question-blind goes with --prefill-chunk: a prompt prefilled whole holds its question")
+    if prefill_chunk is not None:
+        at_least_one(prefill_chunk=prefill_chunk)
+    cap = parse_bytes(kv_memory) if kv_memory is not None else None
     if sample and temperature == 0:
         raise D2OError("--sample with --temperature 0 is greedy decoding: drop --sample, or give a temperature > 0")
 
@@ -98,7 +111,8 @@ def generate(
     if context_mode:
         questions = list(question) + (read_questions(questions_file) if questions_file is not None else [])
         answer_context(model, dtype, attention, text, questions, method, parsed_budget, options, chat, save_context,
-                       load_context, max_new_tokens, sampling, layers, as_json, evict_every, bits)
+                       load_context, max_new_tokens, sampling, layers, as_json, evict_every, bits, prefill_chunk,
+                       question_blind, cap)
         return
 
     from d2o.runtime.generation import generate as run
@@ -107,7 +121,8 @@ def generate(
     chosen, parsed_budget = resolve(method or "d2o", parsed_budget, **options)  # before the model loads
     net, tokenizer = load(model, dtype=dtype, attention=attention)
     result = run(net, tokenizer, text, chosen, parsed_budget, max_new_tokens=max_new_tokens, chat=chat,
-                 evict_every=evict_every, kv_bits=bits, **sampling)
+                 evict_every=evict_every, kv_bits=bits, prefill_chunk=prefill_chunk,
+                 question_aware=not question_blind, kv_memory=cap, **sampling)
     report = result.report
     if as_json:
         summary = report.as_dict()
@@ -158,20 +173,24 @@ def read_questions(path: Path) -> list[str]:
 
 
 def answer_context(model, dtype, attention, text, questions, method, budget, options, chat, save_context,
-                   load_context, max_new_tokens, sampling, layers, as_json, evict_every, kv_bits) -> None:
+                   load_context, max_new_tokens, sampling, layers, as_json, evict_every, kv_bits, prefill_chunk,
+                   question_blind, cap) -> None:
     """Compress (or load) the context, save it if asked, answer the questions as one batch (a loaded
     context evicts as it was saved to)."""
     from d2o.runtime.context import DEFAULT_METHOD, check_asks_later, compress
     from d2o.runtime.context import load_context as load_saved
     from d2o.runtime.generation import resolve
 
+    if load_context is not None and (prefill_chunk is not None or cap is not None):
+        raise D2OError("--prefill-chunk and --kv-memory go with compressing: a saved context is prefilled already")
     if load_context is None:
         chosen, budget = resolve(method or DEFAULT_METHOD, budget, **options)  # before the model loads
         check_asks_later(chosen)
     net, tokenizer = load(model, dtype=dtype, attention=attention)
     if load_context is None:
         context = compress(net, tokenizer, text, method or DEFAULT_METHOD, budget, chat=chat, evict_every=evict_every,
-                           kv_bits=kv_bits, **options)
+                           kv_bits=kv_bits, prefill_chunk=prefill_chunk,
+                           questions=None if question_blind else questions, kv_memory=cap, **options)
     else:
         context = load_saved(load_context, net, tokenizer)
     if save_context is not None:
@@ -296,6 +315,8 @@ def evaluate(
     evict_every: int = typer.Option(1, help="Evict in batches: a layer runs up to k-1 tokens over its budget "
                                     "(the methods evict at every step, as their papers, unless told)."),
     kv_bits: Optional[str] = typer.Option(None, help=KV_BITS_HELP),
+    prefill_chunk: Optional[int] = typer.Option(None, help=CHUNK_HELP + " Each run prefills its own prompt."),
+    question_blind: bool = typer.Option(False, "--question-blind", help=QUESTION_BLIND_HELP),
     ray: Optional[str] = typer.Option(None, help="Spread the samples over Ray workers: local (a private Ray "
                                       "on this machine), auto (the cluster this machine is in) or an address."),
     workers: int = typer.Option(2, help="Ray workers, one model each (one GPU each on a cluster with enough)."),
@@ -313,7 +334,8 @@ def evaluate(
     config = EvalConfig(
         task=task, model=model, methods=split_list(methods), budgets=split_list(budgets), limit=limit, seed=seed,
         out=str(out), shared_prefill=not separate_prefill, dtype=dtype, attention=attention, min_tokens=min_tokens,
-        protocol=protocol, evict_every=evict_every, kv_bits=check_kv_bits(kv_bits), ray=ray, workers=workers,
+        protocol=protocol, evict_every=evict_every, kv_bits=check_kv_bits(kv_bits), prefill_chunk=prefill_chunk,
+        question_aware=not question_blind, ray=ray, workers=workers,
         task_options=option_texts(task_option, "--task-option"), method_options=method_options,  # typed by the task
     )
     check_config(config)  # before torch loads
@@ -345,6 +367,9 @@ def compare(
                                          "and model are also pooled."),
     method: str = typer.Option(..., help="The method compared."),
     against: str = typer.Option(..., help="The method it is compared against (full: the full cache)."),
+    against_results: list[Path] = typer.Option(
+        [], "--against-results", help="Read --against from these folders, one per RESULTS folder, of the same samples "
+        "(the same method run another way: --prefill-chunk, --kv-bits)."),
     confidence: float = typer.Option(0.95, help="The interval's coverage."),
     resamples: int = typer.Option(10_000, help="Bootstrap draws."),
     seed: int = typer.Option(0, help="The bootstrap's seed."),
@@ -353,7 +378,10 @@ def compare(
     from d2o.eval.compare import compare as run_compare
     from d2o.eval.compare import markdown
 
-    comparisons = run_compare(results, method, against, resamples, confidence, seed)
+    comparisons = run_compare(results, method, against, resamples, confidence, seed, against_results or None)
+    if against_results:  # the same name, perhaps: say which run each is
+        method = f"{method} ({', '.join(dict.fromkeys(path.name for path in results))})"
+        against = f"{against} ({', '.join(dict.fromkeys(path.name for path in against_results))})"
     print(markdown(comparisons, method, against, confidence), end="")
 
 

@@ -21,6 +21,7 @@ from typing import Any, Mapping, Protocol
 import torch
 
 STATE_VALUE_BYTES = 4  # bytes of one value of slot state (float32 scores, int32 counts), whatever the dtype
+QUESTION = "question"  # the tag of a probe pass that is the question, seen after each chunk of a prefill
 
 
 def as_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -122,13 +123,16 @@ def _map_field(value, fn):
 
 @dataclass
 class ProbePass:
-    """Tokens run after the prompt, observed, then taken out (KVzip's reconstruction): ``ids``, one
-    list per row (empty: the row sits it out); ``spans``: per row, the prompt tokens [start, end) it
-    is about; ``tag``: whose pass it is. ``CacheView.probing`` is this pass while it runs."""
+    """Tokens run after the prompt, observed, then taken out (KVzip's reconstruction, the question):
+    ``ids``, one list per row (empty: the row sits it out); ``spans``: per row, the prompt tokens
+    [start, end) it is about; ``tag``: whose pass it is (``QUESTION``: the question's); ``positions``:
+    per row, its first token's position (None: right after the prompt so far). ``CacheView.probing``
+    is this pass while it runs."""
 
     ids: list[list[int]]
     spans: list[tuple[int, int]] | None = None
     tag: Any = None
+    positions: list[int] | None = None
 
 
 @dataclass
@@ -244,6 +248,9 @@ class CacheView:
     probing = property(lambda view: view._of.prober.probing, doc="The probe pass running now, or None.")
     forwards = property(lambda view: view._of.schedule.forwards, doc="Passes completed (a hold counts one).")
     allocated = property(lambda view: view._of.schedule.allocated, doc="Whether the budgets are allocated.")
+    prefilling = property(lambda view: view._of.schedule.prefilling, doc="Whether a prompt is being fed.")
+    prompt_lengths = property(lambda view: view._of.schedule.prompt_lengths(),
+                              doc="(B,) real tokens of each row's prompt (the whole, when it comes in chunks).")
 
     def may_evict_after(self, n_query: int) -> bool:
         """Whether the pass running now (``n_query`` new tokens per row) may end in an eviction."""
@@ -279,6 +286,7 @@ class Policy(Protocol):
     repeats_kv_heads: bool  # True: KV heads stored once per query head (the released D2O's storage)
     keeps_everything: bool  # True: the budget is ignored (the full cache), and reported as none
     probes: bool  # True: the prompt's ids are recorded and ``probe``'s passes run before compressing
+    question_tokens: int  # the prompt's last tokens it scores with (a prefill in chunks shows them after each)
     merge: Merge | None
 
     def budget_for(self, budget) -> Any: ...  # the budget a cache of this policy holds when given one

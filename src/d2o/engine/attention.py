@@ -285,7 +285,7 @@ def _install_hooks(decoder, lm_head) -> tuple:
         awaiting_logits.clear()
         if isinstance(cache, CompressedCache):
             input_ids = kwargs.get("input_ids", args[0] if args else None)
-            if cache.policy.probes and not cache.schedule.allocated:
+            if cache.policy.probes and cache.schedule.prefilling:
                 if input_ids is None:
                     raise D2OError(f"{cache.policy.name} probes the model with the prompt's tokens: give input_ids, "
                                    f"not embeddings")

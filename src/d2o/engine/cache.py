@@ -15,7 +15,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from d2o.budget import Budget
-from d2o.engine.api import CacheView, Policy, TokenValues
+from d2o.engine.api import CacheView, Policy, ProbePass, TokenValues
 from d2o.engine.model_facts import ModelFacts, compressible_layers, head_dim, sliding_windows
 from d2o.engine.probing import Prober
 from d2o.engine.quantization import KVQuantization
@@ -26,6 +26,7 @@ from d2o.engine.slots import named
 from d2o.engine.stats import token_surprisal
 from d2o.engine.storage import CompressedLayer
 from d2o.errors import D2OError
+from d2o.options import whole
 
 
 class CompressedCache(Cache):
@@ -45,16 +46,21 @@ class CompressedCache(Cache):
     """
 
     def __init__(self, model, policy: Policy, budget: Budget | str | float = 0.2, observe: bool | None = None,
-                 tokenizer=None, evict_every: int = 1, kv_bits: int | KVQuantization | None = None):
+                 tokenizer=None, evict_every: int = 1, kv_bits: int | KVQuantization | None = None,
+                 prefill_chunk: int | None = None):
         """``observe``: compute the policy's statistics even under a budget that evicts nothing (a
         prefill forks will share; by default a budget of 1 runs the stock kernels alone).
         ``tokenizer``: the model's, for a method writing text into a probe (by default the one saved
         with the model). ``evict_every``: decoding, a layer runs up to ``evict_every - 1`` tokens over
         its budget, brought back in one pass (1: every step). ``kv_bits``: keys and values at 8, 4 or
-        2 bits (or a ``KVQuantization``); None: in the model's dtype."""
+        2 bits (or a ``KVQuantization``); None: in the model's dtype. ``prefill_chunk``: ``prefill``
+        feeds a prompt that many tokens at a time, compressed after each (None: whole)."""
         if isinstance(policy, str):
             raise D2OError(f"CompressedCache takes a method object, not the name {policy!r}: "
                            f"d2o.get_method({policy!r}) builds one")
+        if prefill_chunk is not None and (not whole(prefill_chunk) or prefill_chunk < 1):
+            raise D2OError(f"prefill_chunk={prefill_chunk!r} must be a whole number of tokens >= 1 (or None: whole)")
+        self.prefill_chunk = prefill_chunk
         self._setup(ModelFacts(model.get_decoder(), model.config.get_text_config(), tokenizer), policy, budget,
                     observe, evict_every, kv_bits)
 
@@ -101,6 +107,7 @@ class CompressedCache(Cache):
             raise D2OError(f"only a cache that holds every token (budget 1.0) can be forked; this one's budget is "
                            f"{self.budget}")
         new = CompressedCache.__new__(CompressedCache)
+        new.prefill_chunk = None
         new._setup(self.facts, policy, budget, evict_every=evict_every, kv_bits=kv_bits)
         new.prober.probed = self.prober.probed  # a combining policy ran each method's probe into its slot state
         if new.kv_repeats != self.kv_repeats:
@@ -201,16 +208,26 @@ class CompressedCache(Cache):
 
     held = property(lambda cache: cache.schedule.holds > 0, doc="Inside ``hold()``.")
 
+    def prefill(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, question: ProbePass | None = None, in_prompt: bool = True,
+                **kwargs):
+        """Feed a prompt (B, S) through ``model`` into this cache, ``prefill_chunk`` tokens at a time,
+        compressed after each chunk to the whole prompt's budget: it never holds more than that budget
+        and one chunk. ``question``: a pass of the question (``api.QUESTION``) shown after each chunk to
+        a method that scores with it: the prompt's own last tokens (``in_prompt``), or a question to
+        come. Returns the model's output for the last chunk (``kwargs`` go to every pass)."""
+        return self.schedule.prefill(model, input_ids, attention_mask, position_ids, question, in_prompt, **kwargs)
+
     # -- tokens --------------------------------------------------------------------------------
     def observe_tokens(self, input_ids: torch.Tensor, hidden: torch.Tensor, lm_head) -> None:
         """Give the policy each new token's surprisal, -log p(token | earlier tokens), (B, q)."""
-        valid = self.layers[0].fresh_index(input_ids.shape[1]) >= 0
+        index = self.layers[0].fresh_index(input_ids.shape[1])
         # The model's own logits of the last pass, if they were computed from the very hidden states
         # kept here (not when rows were selected, joined or forked since, nor for another input).
         known = (self._last_logits is not None and self._last_hidden is not None
                  and self._last_logits[0].device == self._last_hidden.device  # layers spread over devices
                  and torch.equal(self._last_logits[0], self._last_hidden))
-        surprisal, self._last_hidden = token_surprisal(input_ids, hidden, lm_head, valid, self._last_hidden,
+        surprisal, self._last_hidden = token_surprisal(input_ids, hidden, lm_head, index, self._last_hidden,
                                                        self._last_logits[1] if known else None)
         self._last_logits = None
         self.record(self.policy.observe_tokens(self.view, surprisal, input_ids))

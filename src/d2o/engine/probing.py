@@ -3,6 +3,8 @@ context), observed like any pass, then taken out of every layer."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from d2o.engine.api import ProbePass
@@ -45,9 +47,19 @@ class Prober:
         real = torch.cat([real for _, real in self._prompt], dim=1)
         return [row[mask].tolist() for row, mask in zip(ids, real)]
 
-    def run(self, cache) -> None:
-        """Run the policy's passes, each fed after the prompt, observed, then taken out."""
-        passes = cache.policy.probe(cache.view, self.prompts())
+    def policy_passes(self, cache) -> list[ProbePass]:
+        """The policy's passes for the prompt recorded since the last ones (a chunk's, in a prefill in
+        chunks), their spans shifted to the tokens' indices in the whole prompt."""
+        prompts = self.prompts()
+        offsets = [int(seen) - len(prompt) for seen, prompt in zip(cache.layers[0].real_seen.tolist(), prompts)]
+        self.probed = True
+        self.forget()
+        return [probe if probe.spans is None else replace(probe, spans=[
+            (start + offset, end + offset) for (start, end), offset in zip(probe.spans, offsets)])
+            for probe in cache.policy.probe(cache.view, prompts)]
+
+    def run(self, cache, passes: list[ProbePass]) -> None:
+        """Feed each pass after the prompt (or at its ``positions``), observed, then taken out."""
         decoder = cache.facts.decoder()
         first = cache.layers[0]
         snapshots = [layer.snapshot() for layer in cache.layers]
@@ -56,7 +68,9 @@ class Prober:
                 if not any(probe.ids):
                     continue
                 ids, real = (tensor.to(first.device) for tensor in left_pad(probe.ids))
-                positions = first.real_seen[:, None] + real.cumsum(-1) - 1
+                starts = first.real_seen if probe.positions is None else \
+                    torch.tensor(probe.positions, device=first.device)
+                positions = starts[:, None] + real.cumsum(-1) - 1
                 mask = None
                 if not bool(real.all()):
                     mask = torch.cat([real.new_ones((len(probe.ids), first.seen)), real], dim=1)
@@ -67,5 +81,3 @@ class Prober:
                     layer.restore(snapshot)
         finally:
             self.probing = None
-        self.probed = True
-        self.forget()

@@ -7,6 +7,13 @@ policy for ``score`` and ``protected``. One token over (a decode step): the vict
 emptied for the next token. More: the kept slots are gathered into smaller tensors. With
 ``evict_every=k`` the layers of a row run over their budgets until one reaches budget + k, then the
 slots over are emptied where they are, every layer's merged in one call: the next k tokens' slots.
+
+A prompt prefilled in chunks (``prefill``) is compressed after every chunk to the whole prompt's
+budget, allocated anew after each chunk (its total from the whole prompt's length, its shares from
+the statistics the layers hold then: the last chunk's allocation stays); every method compresses
+then, those that compress once included,
+after its probe passes for that chunk (KVzip's) and, for a method that scores with the question,
+a pass of the question (``QUESTION``), so that no chunk is compressed without it.
 """
 
 from __future__ import annotations
@@ -15,8 +22,10 @@ from types import SimpleNamespace
 
 import torch
 
+from dataclasses import dataclass
+
 from d2o.budget import UNLIMITED
-from d2o.engine.api import Evicted
+from d2o.engine.api import Evicted, ProbePass
 from d2o.engine.selection import select_evicted, select_kept, select_victim
 from d2o.errors import D2OError
 from d2o.options import whole
@@ -25,6 +34,18 @@ from d2o.options import whole
 # A sliding-window layer's rule, the stock cache's: keep the newest tokens.
 NEWEST = SimpleNamespace(merge=None, score=lambda layer: layer.token_index,
                          protected=lambda layer, target: torch.zeros_like(layer.token_index, dtype=torch.bool))
+
+
+@dataclass
+class Chunks:
+    """A prefill in chunks running: each row's real tokens in the whole prompt (B,), the question
+    pass shown after each chunk (or None), whether it is the prompt's own last tokens (then the last
+    chunk holds it and shows it itself), and whether the chunk fed now is the last."""
+
+    lengths: torch.Tensor
+    question: ProbePass | None
+    in_prompt: bool
+    last: bool = False
 
 
 class Schedule:
@@ -39,9 +60,51 @@ class Schedule:
         self.restart()
 
     def restart(self) -> None:
-        self.forwards = 0  # passes completed (a hold counts as one)
+        self.forwards = 0  # passes completed (a hold, or a prefill in chunks, counts as one)
         self.allocated = False
         self.quiet = self.seen_at_check = 0  # tokens fed before a row may be due; tokens seen when counted
+        self.chunks: Chunks | None = None
+
+    prefilling = property(lambda schedule: not schedule.allocated or schedule.chunks is not None)
+
+    def prompt_lengths(self) -> torch.Tensor:
+        """(B,) real tokens of each row's prompt: the whole one's while it comes in chunks."""
+        return self.cache.layers[0].real_seen if self.chunks is None else self.chunks.lengths
+
+    def prefill(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, question: ProbePass | None = None, in_prompt: bool = True,
+                **kwargs):
+        """Feed a prompt (B, S) (left-padded: ``attention_mask``) through ``model``, whole or ``prefill_chunk``
+        tokens at a time, compressed after each chunk; ``question``, a pass the methods that score
+        with a question see after each chunk: the prompt's own last tokens (``in_prompt``) or a
+        question asked after it. Returns the model's output for the last chunk."""
+        length, chunk = input_ids.shape[1], self.cache.prefill_chunk or input_ids.shape[1]
+        if length <= chunk and (question is None or in_prompt):
+            return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         cache=self.cache, **kwargs)
+        policy = self.cache.policy
+        if policy.compress_after_forward > 1:
+            raise D2OError(f"{policy.name} first compresses after the first decode step: it cannot compress a prompt "
+                           f"in chunks, nor see a question after it")
+        if self.cache.layers[0].is_initialized:
+            raise D2OError("a prompt is prefilled in chunks into a new cache")
+        lengths = attention_mask.sum(-1) if attention_mask is not None else \
+            torch.full((input_ids.shape[0],), length, device=input_ids.device)
+        self.chunks, forwards = Chunks(lengths, question if policy.question_tokens else None, in_prompt), self.forwards
+        try:
+            # The first chunk takes the remainder, so that every row's chunks end where they would
+            # alone: its left padding moves no boundary.
+            for end in range(length % chunk or chunk, length + 1, chunk):
+                start = max(end - chunk, 0)
+                self.chunks.last = end == length
+                output = model(input_ids=input_ids[:, start:end], cache=self.cache,
+                               attention_mask=None if attention_mask is None else attention_mask[:, :end],
+                               position_ids=None if position_ids is None else position_ids[:, start:end], **kwargs)
+        finally:
+            self.chunks = None
+        self.forwards = forwards + 1
+        self._observe_while_decoding()
+        return output
 
     def end_of_forward(self) -> None:
         if not self.holds:
@@ -75,14 +138,14 @@ class Schedule:
             kept = torch.stack([layer.n_kept for layer in windowed])  # (L, B)
             windows = torch.tensor([layer.window - 1 for layer in windowed], device=kept.device)
             self._shrink_layers(windowed, kept, torch.minimum(kept, windows[:, None]), NEWEST)
-        decoding = self.allocated
-        if not self.allocated:
-            if self.forwards < policy.compress_after_forward:
-                return
-            if policy.probes and not cache.prober.probed and any(layer.observing for layer in cache.layers):
-                cache.prober.run(cache)
+        chunks = self.chunks
+        decoding = self.allocated and chunks is None
+        if not self.allocated and chunks is None and self.forwards < policy.compress_after_forward:
+            return
+        if self.prefilling:
+            self._probe()
             self._allocate()
-        elif not policy.evicts_during_decode:
+        elif not policy.evicts_during_decode and chunks is None:
             return
         layers = [cache.layers[index] for index in cache.compressible]
         if not layers:  # every layer slides (the full cache of such a model)
@@ -110,12 +173,25 @@ class Schedule:
 
     def may_evict_after(self, n_query: int) -> bool:
         """Whether the pass running (``n_query`` new tokens per row) may end in an eviction."""
-        return not (self.allocated and self.evict_every > 1 and self.cache.policy.evicts_during_decode
-                    and n_query <= self.quiet)
+        return not (self.allocated and self.chunks is None and self.evict_every > 1
+                    and self.cache.policy.evicts_during_decode and n_query <= self.quiet)
+
+    def _probe(self) -> None:
+        """Before a compression of the prompt: the policy's probe passes (once; after every chunk of a
+        prefill in chunks), and the question's where a chunk does not show it."""
+        cache, chunks, prober = self.cache, self.chunks, self.cache.prober
+        passes = []
+        if cache.policy.probes and (chunks is not None or not prober.probed) and \
+                any(layer.observing for layer in cache.layers):
+            passes = prober.policy_passes(cache)
+        if chunks is not None and chunks.question is not None and not (chunks.last and chunks.in_prompt):
+            passes.append(chunks.question)
+        if passes:
+            prober.run(cache, passes)
 
     def _allocate(self) -> None:
         cache = self.cache
-        prompt = cache.layers[0].real_seen
+        prompt = self.prompt_lengths()
         if cache.budget.unlimited:
             budgets = torch.full((len(prompt), cache.n_layers), UNLIMITED, dtype=torch.long)
         else:
@@ -127,10 +203,16 @@ class Schedule:
                 cache.layers[i].state = state
         for i, layer in enumerate(cache.layers):
             layer.budget = budgets[:, i].to(layer.device)
-            layer.observing = (layer.window is None and cache.policy.evicts_during_decode
-                               and bool((layer.budget != UNLIMITED).any()))
         self.allocated = True
+        if self.chunks is None:
+            self._observe_while_decoding()
         cache.prober.forget()
+
+    def _observe_while_decoding(self) -> None:
+        """Once the prompt is compressed, a layer collects statistics only if it can evict."""
+        for layer in self.cache.layers:
+            layer.observing = (layer.window is None and self.cache.policy.evicts_during_decode
+                               and layer.budget is not None and bool((layer.budget != UNLIMITED).any()))
 
     def limit(self, budget: torch.Tensor, real_seen: torch.Tensor) -> torch.Tensor:
         """Budgets as they hold now: as allocated, never below a ratio budget's floor ``min(seen,
@@ -204,6 +286,7 @@ class Schedule:
                                         merge.vectors)
             # The layer is then as wide as it will be when decoding (budget + evict_every).
             policy = self.cache.policy
-            batched = self.evict_every > 1 and chooser is policy and policy.evicts_during_decode
+            batched = self.evict_every > 1 and chooser is policy and policy.evicts_during_decode and \
+                (self.chunks is None or self.chunks.last)
             layer.keep(keep, keep_valid, slack=self.evict_every if batched else 0)
         return evicted

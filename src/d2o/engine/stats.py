@@ -158,13 +158,14 @@ def _negative_log_likelihood(lm_head, hidden: torch.Tensor, targets: torch.Tenso
 
 
 def token_surprisal(
-    input_ids: torch.Tensor, hidden: torch.Tensor, lm_head, valid: torch.Tensor, previous: torch.Tensor | None,
+    input_ids: torch.Tensor, hidden: torch.Tensor, lm_head, index: torch.Tensor, previous: torch.Tensor | None,
     previous_logits: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """-log p(x_t | x_<t) of each new token (B, q), float32 (0: padding, a row's first token), and the
-    new ``previous``. ``hidden`` (B, q, d): the final hidden states; ``previous`` (B, d): the last real
-    token's of the pass before (it predicts this pass's first token), ``previous_logits`` (B, V) its
-    logits if the model computed them. Logits a tile at a time, never (q, vocab) at once."""
+    new ``previous``. ``hidden`` (B, q, d): the final hidden states; ``index`` (B, q): each token's
+    index in its row (-1: padding); ``previous`` (B, d): the last token's of the pass before (it
+    predicts this pass's first token), ``previous_logits`` (B, V) its logits if the model computed
+    them. Logits a tile at a time, never (q, vocab) at once."""
     batch, n_new, _ = hidden.shape
     surprisal = torch.zeros((batch, n_new), dtype=torch.float32, device=hidden.device)
     predictors = hidden[:, :-1]
@@ -178,8 +179,7 @@ def token_surprisal(
         targets = input_ids[:, offset:]
         surprisal[:, offset:] = _negative_log_likelihood(lm_head, predictors.reshape(-1, predictors.shape[-1]),
                                                          targets.reshape(-1)).view(batch, -1)
-    # A token predicted from padding (the first real one of a left-padded row) has no surprisal.
-    follows_real = torch.cat([valid.new_zeros((batch, 1)) if previous is None else valid.new_ones((batch, 1)),
-                              valid[:, :-1]], dim=1)
-    surprisal = surprisal * (valid & follows_real)
+    # A row's first token has none: whatever precedes it is padding (in this pass or, fed in chunks,
+    # the pass before), and a later token's predecessor is the real token before it (left padding).
+    surprisal = surprisal * (index > 0)
     return surprisal, hidden[:, -1]

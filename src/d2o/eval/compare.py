@@ -5,7 +5,9 @@ prompt: whether one method's mean above another's is more than that takes the pa
 not the two means. Each difference is one sample both methods ran at that budget (the full cache,
 run once at budget 1, pairs with every budget); for perplexity, one ``window`` of the text's curve
 (the log of its perplexity), so the difference of means is the log of the perplexities' ratio.
-Folders of the same task, protocol and model (other seeds, other haystacks) are also pooled.
+Folders of the same task, protocol and model (other seeds, other haystacks) are also pooled. The
+same method run two ways (prefilled in chunks and whole, quantized and not) pairs across two
+folders of the same samples: ``against_paths``.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ class Comparison:
 class Folder:
     path: Path
     group: tuple  # task, protocol, model: what may be pooled
+    samples: tuple  # what draws the samples: the task's settings and the seed
     higher_is_better: bool
     log_scale: bool
     lines: list[dict]
@@ -74,21 +77,36 @@ def read_folder(path: Path) -> Folder:
     task = get_task(identity["task"])
     group = (identity["task"], identity.get("protocol", "prompt"), identity.get("model"))
     lines = SampleStore(path / "samples.jsonl").read()
-    return Folder(path, group, task.higher_is_better, task.name == "perplexity", lines)
+    samples = (repr(identity.get("task_settings")), identity.get("seed"))
+    return Folder(path, group, samples, task.higher_is_better, task.name == "perplexity", lines)
 
 
-def paired_units(folder: Folder, method: str, against: str) -> dict[str, tuple[list[float], list[float]]]:
-    """Per budget of ``method``: the units both methods ran, as two aligned lists."""
+def _runs(folder: Folder, *methods: str) -> dict[tuple[str, str], dict[str, dict]]:
+    """The folder's result lines by (method, budget), then sample; each of ``methods`` must be there."""
     runs: dict[tuple[str, str], dict[str, dict]] = defaultdict(dict)
     for line in folder.lines:
         runs[(line["method"], line["budget"])][line["sample_id"]] = line
     present = sorted({m for m, _ in runs})
-    for name in (method, against):
+    for name in methods:
         if name not in present:
             raise D2OError(f"{folder.path} holds no run of {name!r}; it holds {', '.join(present)}")
+    return runs
+
+
+def paired_units(folder: Folder, method: str, against: str,
+                 against_folder: Folder | None = None) -> dict[str, tuple[list[float], list[float]]]:
+    """Per budget of ``method``: the units both methods ran (``against``'s in ``against_folder``, if
+    given), as two aligned lists."""
+    if against_folder is None:
+        runs = theirs_runs = _runs(folder, method, against)
+    else:
+        if (against_folder.group, against_folder.samples) != (folder.group, folder.samples):
+            raise D2OError(f"{folder.path} and {against_folder.path} hold different samples (task, its settings, "
+                           f"protocol, model or seed): their runs do not pair")
+        runs, theirs_runs = _runs(folder, method), _runs(against_folder, against)
     pairs = {}
     for budget in sorted({b for m, b in runs if m == method}, key=budget_order):
-        other = runs.get((against, budget)) or runs.get((against, FULL_BUDGET))
+        other = theirs_runs.get((against, budget)) or theirs_runs.get((against, FULL_BUDGET))
         if not other:
             continue
         ours, theirs = [], []
@@ -114,21 +132,27 @@ def _units(line: dict, folder: Folder) -> list[float]:
 
 
 def compare(paths: list[Path], method: str, against: str, resamples: int = 10_000, confidence: float = 0.95,
-            seed: int = 0) -> list[Comparison]:
-    """``method`` against ``against`` in each folder and, where several share task, protocol and
-    model, pooled over them; a percentile bootstrap over the paired units (``resamples`` draws)."""
+            seed: int = 0, against_paths: list[Path] | None = None) -> list[Comparison]:
+    """``method`` against ``against`` in each folder (or in the folder of ``against_paths`` beside
+    it) and, where several share task, protocol and model, pooled over them; a percentile bootstrap
+    over the paired units (``resamples`` draws)."""
     if not 0 < confidence < 1:
         raise D2OError(f"confidence={confidence} must be between 0 and 1 (0.95: a 95% interval)")
     if resamples < 1:
         raise D2OError(f"resamples={resamples} must be at least 1")
-    if method == against:
-        raise D2OError(f"compare {method!r} against another method, not itself")
+    if against_paths is not None and len(against_paths) != len(paths):
+        raise D2OError(f"{len(paths)} results folder(s) and {len(against_paths)} to compare against: give one "
+                       f"--against-results folder for each")
+    if method == against and against_paths is None:
+        raise D2OError(f"compare {method!r} against another method, or against itself run another way "
+                       f"(--against-results)")
     folders = [read_folder(Path(path)) for path in paths]
+    others = [None] * len(folders) if against_paths is None else [read_folder(Path(path)) for path in against_paths]
     rng = np.random.default_rng(seed)
     comparisons = []
     groups: dict[tuple, list[tuple[Folder, dict]]] = defaultdict(list)
-    for folder in folders:
-        pairs = paired_units(folder, method, against)
+    for folder, other in zip(folders, others):
+        pairs = paired_units(folder, method, against, other)
         groups[folder.group].append((folder, pairs))
         comparisons += [_compare(str(folder.path), budget, *units, folder, resamples, confidence, rng)
                         for budget, units in pairs.items()]

@@ -27,7 +27,7 @@ class Worker:
         self.task, methods = prepare(config)
         model, tokenizer = load_model(config.model, dtype=config.dtype, attention=config.attention,
                                       device="cuda" if torch.cuda.is_available() else None)
-        self.runner = Runner(model, tokenizer, methods, config.shared_prefill, config.evict_every, config.kv_bits)
+        self.runner = Runner.of(model, tokenizer, methods, config)
 
     def run(self, index: int, samples, ids, questions, todos) -> tuple[int, list[dict]]:
         from d2o.eval.results import result_line

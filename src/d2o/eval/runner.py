@@ -48,18 +48,29 @@ class Runner:
     """A model, its tokenizer and the methods of a sweep; answers samples run by run."""
 
     def __init__(self, model, tokenizer, methods: dict[str, Method], shared_prefill: bool = True,
-                 evict_every: int = 1, kv_bits=None):
+                 evict_every: int = 1, kv_bits=None, prefill_chunk: int | None = None, question_aware: bool = True):
+        """``prefill_chunk``: each run prefills its own prompt in chunks of that many tokens (a prefill
+        compressed as it goes cannot be shared), showing a method that scores with the question the
+        prompt's last tokens after each chunk unless not ``question_aware``."""
         self.model = model
         self.tokenizer = tokenizer
         self.methods = methods
-        self.shared_prefill = shared_prefill
+        self.shared_prefill = shared_prefill and prefill_chunk is None
         self.evict_every = evict_every
         self.kv_bits = kv_bits
+        self.prefill_chunk = prefill_chunk
+        self.question = "tail" if question_aware else None
         self.stop_ids = stop_token_ids(model, tokenizer)
+
+    @classmethod
+    def of(cls, model, tokenizer, methods: dict[str, Method], config) -> Runner:
+        """The runner of a sweep's ``EvalConfig``."""
+        return cls(model, tokenizer, methods, config.shared_prefill, config.evict_every, config.kv_bits,
+                   config.prefill_chunk, config.question_aware)
 
     def cache(self, method: str, budget: Budget) -> CompressedCache:
         return CompressedCache(self.model, self.methods[method], budget, tokenizer=self.tokenizer,
-                               evict_every=self.evict_every, kv_bits=self.kv_bits)
+                               evict_every=self.evict_every, kv_bits=self.kv_bits, prefill_chunk=self.prefill_chunk)
 
     def answer(self, task, samples: list, ids: list[int], questions: list[list[int]],
                todos: list[list[Run]]) -> Iterator[tuple[object, Outcome]]:
@@ -109,4 +120,4 @@ class Runner:
         return Sequence(self.tokenizer, sample.max_new_tokens, stop_ids=self.stop_ids, stop_strings=sample.stop)
 
     def _prefill(self, cache, ids: list[int], sample) -> Batch:
-        return Batch.prefill(self.model, cache, [ids], [self._sequence(sample)])
+        return Batch.prefill(self.model, cache, [ids], [self._sequence(sample)], question=self.question)

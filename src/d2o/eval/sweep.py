@@ -15,7 +15,7 @@ from d2o.budget import MIN_TOKENS, Budget, parse_budgets
 from d2o.errors import D2OError
 from d2o.eval.tasks import get_task
 from d2o.eval.tasks.base import Task
-from d2o.options import check_kv_bits, distinct
+from d2o.options import check_kv_bits, distinct, whole
 
 FULL = "full"
 
@@ -40,6 +40,8 @@ class EvalConfig:
     method_options: dict = field(default_factory=dict)  # {method: {option: value}}
     evict_every: int = 1  # evict in batches of decode steps (CompressedCache's)
     kv_bits: int | None = None  # keys and values stored at 8, 4 or 2 bits (None: the model's dtype)
+    prefill_chunk: int | None = None  # each prompt prefilled this many tokens at a time (None: whole)
+    question_aware: bool = True  # in chunks: the methods that score with the question see the prompt's tail after each
     ray: str | None = None  # spread the samples over Ray workers: "local", "auto" or a cluster's address
     workers: int = 2  # Ray workers, one model each (one GPU each where the cluster has GPUs)
 
@@ -53,6 +55,10 @@ class EvalConfig:
             identity["evict_every"] = self.evict_every
         if self.kv_bits is not None:
             identity["kv_bits"] = self.kv_bits
+        if self.prefill_chunk is not None:
+            identity["prefill_chunk"] = self.prefill_chunk
+        if not self.question_aware:
+            identity["question_aware"] = False
         return identity
 
 
@@ -65,6 +71,10 @@ def check_config(config: EvalConfig) -> tuple[Task, list[Budget]]:
         raise D2OError(f"limit must be at least 1, got {config.limit}")
     if config.evict_every < 1:
         raise D2OError(f"evict_every must be at least 1, got {config.evict_every}")
+    if config.prefill_chunk is not None and (not whole(config.prefill_chunk) or config.prefill_chunk < 1):
+        raise D2OError(f"prefill_chunk must be a whole number of tokens >= 1, got {config.prefill_chunk!r}")
+    if not config.question_aware and config.prefill_chunk is None:
+        raise D2OError("question-blind goes with a prefill in chunks: a prompt prefilled whole holds its question")
     if config.ray is not None and config.workers < 1:
         raise D2OError(f"workers must be at least 1, got {config.workers}")
     check_kv_bits(config.kv_bits)
@@ -134,7 +144,7 @@ def run_eval(config: EvalConfig, progress: bool = True) -> list[dict]:
     else:
         from d2o.eval.runner import Runner
 
-        runner = Runner(model, tokenizer, methods, config.shared_prefill, config.evict_every, config.kv_bits)
+        runner = Runner.of(model, tokenizer, methods, config)
         for group, ids, questions, todos in jobs:
             for sample, outcome in task.run(runner, group, ids, questions, todos):
                 store.append(results.result_line(task, sample, outcome))
@@ -159,6 +169,9 @@ def sweep_methods(config: EvalConfig, budgets: list[Budget]) -> dict:
 
     methods = {name: get_method(name, **config.method_options.get(name, {})) for name in config.methods}
     late = [name for name, method in methods.items() if method.compress_after_forward > 1]
+    if config.prefill_chunk is not None and late:
+        raise D2OError(f"{', '.join(late)} first compress(es) after the first decode step: it cannot compress a "
+                       f"prompt in chunks (--prefill-chunk); run it in a sweep without")
     if config.protocol == "context" and late:  # its first compression would come after the question's pass
         raise D2OError(f"{', '.join(late)} first compress(es) after the first decode step, which under --protocol "
                        f"context is the question's pass: compression would see the question; run it under "

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from d2o.engine.api import CacheView
 from d2o.errors import D2OError
@@ -104,13 +105,14 @@ class ScoreShare(Allocation):
     KV heads of a layer keep as many (the layer's count over its heads, shared evenly)."""
 
     def weights(self, cache: CacheView, layers: list[int], totals: torch.Tensor, method) -> torch.Tensor:
-        scores = torch.stack([method.score(cache.layers[i]).float().masked_fill(~cache.layers[i].valid, -math.inf)
-                              for i in layers], dim=1)  # (B, L, G, N): before compression every layer holds the prompt
-        batch, n_layers = scores.shape[:2]
+        held = [method.score(cache.layers[i]).float().masked_fill(~cache.layers[i].valid, -math.inf) for i in layers]
+        width = max(scores.shape[-1] for scores in held)  # layers a prefill in chunks compressed differ
+        scores = torch.stack([F.pad(part, (0, width - part.shape[-1]), value=-math.inf) for part in held], dim=1)
+        batch, n_layers = scores.shape[:2]  # (B, L, G, N)
         per_layer = scores[0, 0].numel()
         counts = torch.zeros((batch, n_layers), dtype=torch.float64)
         for row, total in enumerate(totals.tolist()):
-            kept = min(max(int(total), 0) * scores.shape[2], scores[row].numel())
+            kept = min(max(int(total), 0) * scores.shape[2], int(torch.isfinite(scores[row]).sum()))
             top = scores[row].flatten().topk(kept).indices
             counts[row] = torch.bincount(top // per_layer, minlength=n_layers).double().cpu()
         return counts

@@ -65,6 +65,8 @@ class Method:
     conserves_budget: ClassVar[bool] = True
     # True: before compressing, the cache runs the passes of `probe` through the model and observes them.
     probes: ClassVar[bool] = False
+    # The prompt's last tokens the method scores with (its question), shown after each chunk of a prefill in chunks.
+    question_tokens: ClassVar[int] = 0
 
     n_sinks: int = 0
     allocation: Allocation = field(default_factory=Uniform)
@@ -175,7 +177,7 @@ class Method:
         n_layers = cache.n_layers
         exempt = self.exempt_among(n_layers, cache.compressible)
         active = [i for i in cache.compressible if i not in exempt]
-        prompt = cache.layers[0].real_seen.cpu()
+        prompt = cache.prompt_lengths.cpu()
         shared = totals - len(exempt) * prompt  # exempt layers hold the whole prompt
         weights = self.allocation.weights(cache, active, shared, self).double()  # (B, len(active))
         budgets = torch.full((len(prompt), n_layers), UNLIMITED, dtype=torch.long)

@@ -32,6 +32,10 @@ class H2O(HeavyRecent):
     def needs_surprisal(self) -> bool:
         return self.scoring.needs_surprisal
 
+    @property
+    def question_tokens(self) -> int:
+        return getattr(self.scoring, "window", 0)  # the latest queries whose votes it scores with
+
     def check_parts(self) -> None:
         super().check_parts()
         check(all(callable(getattr(self.scoring, name, None)) for name in ("stats_request", "observe", "score")),

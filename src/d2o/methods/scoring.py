@@ -17,7 +17,7 @@ from typing import ClassVar, Protocol
 import torch
 import torch.nn.functional as F
 
-from d2o.engine.api import STATE_VALUE_BYTES, AttentionStats, Observed, StatsRequest, TokenValues
+from d2o.engine.api import QUESTION, STATE_VALUE_BYTES, AttentionStats, Observed, StatsRequest, TokenValues
 from d2o.errors import D2OError
 from d2o.options import whole
 
@@ -157,11 +157,14 @@ class BlendedScores(AccumulatedAttention):
         return super().slot_state_bytes(group) + STATE_VALUE_BYTES * (len(self.keeps) - 1)  # one value each
 
     def stats_request(self, layer, n_query: int) -> StatsRequest:
+        probe = layer.cache.probing
+        if probe is not None and probe.tag == QUESTION:  # the question shown after a chunk: it votes, once
+            return StatsRequest(window=self.window)
         # The votes are replaced by every pass and read only by an eviction: none after a pass none follows.
         return StatsRequest(column_mass=True, window=self.window if layer.cache.may_evict_after(n_query) else 0)
 
     def observe(self, layer, stats: AttentionStats) -> Observed:
-        observed = super().observe(layer, stats)
+        observed = Observed() if stats.column_mass is None else super().observe(layer, stats)
         if stats.window is not None:  # the votes of this pass's last queries replace the last pass's
             # (B, G, N): over the group's heads and the window's queries (padding queries' rows are 0)
             votes = stats.window.amax(dim=(2, 3)) if self.votes == "max" else stats.window.sum(dim=(2, 3))

@@ -44,11 +44,15 @@ class SnapKV(Method):
     def reserved(self) -> int:
         return self.window
 
+    @property
+    def question_tokens(self) -> int:
+        return self.window
+
     def min_budget_reason(self) -> str:
         return f"window {self.window} + {self.n_sinks} sinks + 1"
 
     def stats_request(self, layer, n_query: int) -> StatsRequest | None:
-        return None if layer.cache.allocated else StatsRequest(window=self.window)
+        return StatsRequest(window=self.window) if layer.cache.prefilling else None
 
     def observe(self, layer, stats: AttentionStats) -> Observed:
         votes = stats.window.sum(dim=-2)  # (B, G, group, N): summed over the window's queries

@@ -27,7 +27,7 @@ from d2o.engine.report import CacheReport
 from d2o.errors import D2OError
 from d2o.methods.base import Method
 from d2o.runtime.decoding import Batch, Sampling, Sequence, seconds_since
-from d2o.runtime.generation import Generation, resolve
+from d2o.runtime.generation import Generation, check_memory, resolve
 from d2o.runtime.prompts import as_list, check_length, encode, stop_token_ids
 
 FORMAT = 3  # the layout of a saved context; a file of another layout is refused
@@ -81,17 +81,7 @@ class CompressedContext:
     def question_ids(self, question: str | list[dict], chat: bool | None = None) -> list[int]:
         """The token ids ``question`` adds after the context: as written, or (``chat``) a user turn
         (or turns) after the context's conversation, ready for the answer."""
-        chat = self.chat if chat is None else chat
-        if not chat:
-            if not isinstance(question, str):
-                raise D2OError("a question as messages needs the chat template (chat=True)")
-            if not question.strip():
-                raise D2OError("the question is empty")
-            return self.tokenizer(question, add_special_tokens=False).input_ids
-        if not self.chat:
-            raise D2OError("a chat question needs a context compressed as a conversation (compress(..., chat=True))")
-        turns = [{"role": "user", "content": question}] if isinstance(question, str) else list(question)
-        return continuation_ids(self.tokenizer, self.conversation, turns)
+        return question_ids(self.tokenizer, question, self.chat if chat is None else chat, self.conversation)
 
     def ask(self, questions: str | list[dict] | list[str | list[dict]], max_new_tokens: int = 32, *,
             chat: bool | None = None, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
@@ -187,6 +177,7 @@ class CompressedContext:
 def compress(model, tokenizer, context: str | list[dict], method: str | Method = DEFAULT_METHOD,
              budget: Budget | str | float = 0.2, *, chat: bool = False, min_tokens: int | None = None,
              evict_every: int = EVICT_EVERY, kv_bits: int | KVQuantization | None = None,
+             prefill_chunk: int | None = None, questions: list | None = None, kv_memory: int | None = None,
              **method_options) -> CompressedContext:
     """Prefill ``context`` and compress it to ``budget`` with ``method``, with no question in sight.
 
@@ -194,7 +185,11 @@ def compress(model, tokenizer, context: str | list[dict], method: str | Method =
     turn) in the model's chat template, without the assistant's prompt: the questions add it.
     Returns a ``CompressedContext``; ``ask`` it any number of questions, ``save`` it to a file.
     ``evict_every``: its answers evict in batches of that many steps; ``kv_bits``: its keys and
-    values are stored at that many bits (``CompressedCache``).
+    values are stored at that many bits (``CompressedCache``). ``prefill_chunk``: the context is
+    prefilled that many tokens at a time, compressed after each chunk. ``questions``, if known
+    before: shown (one after the other, after the context) to a method that scores with its question,
+    after each chunk and the last. ``kv_memory``: bytes the compression may hold at its peak (the
+    memory plan): a context that needs more is refused before the model runs.
     """
     name = method if isinstance(method, str) else method.name
     method, budget = resolve(method, budget, min_tokens, **method_options)
@@ -204,23 +199,48 @@ def compress(model, tokenizer, context: str | list[dict], method: str | Method =
     else:
         conversation = None
         ids = encode(tokenizer, [context])[0]
+    question = [token for asked in questions for token in question_ids(tokenizer, asked, chat, conversation)] \
+        if questions else None
     return compress_ids(model, tokenizer, ids, method, budget, name=name, options=dict(method_options),
-                        conversation=conversation, evict_every=evict_every, kv_bits=kv_bits)
+                        conversation=conversation, evict_every=evict_every, kv_bits=kv_bits,
+                        prefill_chunk=prefill_chunk, question=question, kv_memory=kv_memory)
 
 
 def compress_ids(model, tokenizer, ids: list[int], method: Method, budget: Budget, *, name: str | None = None,
                  options: dict | None = None, conversation: list[dict] | None = None,
-                 evict_every: int = EVICT_EVERY, kv_bits: int | KVQuantization | None = None) -> CompressedContext:
+                 evict_every: int = EVICT_EVERY, kv_bits: int | KVQuantization | None = None,
+                 prefill_chunk: int | None = None, question: list[int] | None = None,
+                 kv_memory: int | None = None) -> CompressedContext:
     """``compress`` of token ids, with a method object and a parsed budget (checked against each
-    other: ``resolve``); ``conversation``: the messages ``ids`` are, if they are a conversation."""
+    other: ``resolve``); ``conversation``: the messages ``ids`` are, if they are a conversation;
+    ``question``: token ids asked after the context, if known before it is compressed."""
     check_asks_later(method)
-    check_length(model, len(ids) + 1)
-    cache = CompressedCache(model, method, budget, tokenizer=tokenizer, evict_every=evict_every, kv_bits=kv_bits)
+    check_length(model, len(ids) + 1 + len(question or ()))
+    if kv_memory is not None:
+        check_memory(model, method, budget, [ids], 1, kv_memory, evict_every, kv_bits, prefill_chunk,
+                     question is not None)
+    cache = CompressedCache(model, method, budget, tokenizer=tokenizer, evict_every=evict_every, kv_bits=kv_bits,
+                            prefill_chunk=prefill_chunk)
     stops = stop_token_ids(model, tokenizer)
-    batch = Batch.prefill(model, cache, [ids], [Sequence(tokenizer, 1, stop_ids=stops)])
+    batch = Batch.prefill(model, cache, [ids], [Sequence(tokenizer, 1, stop_ids=stops)], question=question)
     return CompressedContext(model, tokenizer, method, name or method.name, options or {}, list(ids),
                              conversation is not None, cache, batch.logits, batch.positions,
                              batch.sequences[0].prefill_seconds, stops, conversation)
+
+
+def question_ids(tokenizer, question: str | list[dict], chat: bool, conversation: list[dict] | None) -> list[int]:
+    """The token ids ``question`` adds after a context: as written, or (``chat``) a user turn (or
+    turns) after the context's ``conversation``, ready for the answer."""
+    if not chat:
+        if not isinstance(question, str):
+            raise D2OError("a question as messages needs the chat template (chat=True)")
+        if not question.strip():
+            raise D2OError("the question is empty")
+        return tokenizer(question, add_special_tokens=False).input_ids
+    if conversation is None:
+        raise D2OError("a chat question needs a context compressed as a conversation (compress(..., chat=True))")
+    turns = [{"role": "user", "content": question}] if isinstance(question, str) else list(question)
+    return continuation_ids(tokenizer, conversation, turns)
 
 
 def conversation_ids(tokenizer, conversation: list[dict]) -> list[int]:

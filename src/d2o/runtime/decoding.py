@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from d2o.engine.api import QUESTION, ProbePass
 from d2o.engine.probing import left_pad
 from d2o.errors import D2OError
 from d2o.options import whole
@@ -153,18 +154,26 @@ class Batch:
         self.step_seconds: list[float] = []
 
     @classmethod
-    def prefill(cls, model, cache, prompts: list[list[int]], sequences: list[Sequence]) -> Batch:
-        """Run the prompts' token ids, left-padded into one batch, through ``model`` into ``cache``."""
+    def prefill(cls, model, cache, prompts: list[list[int]], sequences: list[Sequence], question: str | None = "tail",
+                ) -> Batch:
+        """Run the prompts' token ids, left-padded into one batch, through ``model`` into ``cache`` (a
+        d2o cache with ``prefill_chunk`` takes them in chunks; ``question``: what it shows after each
+        chunk to a method that scores with a question: "tail", each prompt's own last tokens; None,
+        nothing; or a list of token ids asked after every prompt, at the position after it)."""
         device = next(model.parameters()).device
         input_ids, mask = left_pad(prompts)
         padded = not bool(mask.all())
         if padded and not hasattr(cache, "policy"):
             raise D2OError("a batch of prompts of different lengths needs a d2o CompressedCache")
         positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+        inputs = dict(input_ids=input_ids.to(device), attention_mask=mask.to(device) if padded else None,
+                      position_ids=positions.to(device), logits_to_keep=1)
         start = time.perf_counter()
         with torch.inference_mode():
-            logits = model(input_ids=input_ids.to(device), attention_mask=mask.to(device) if padded else None,
-                           position_ids=positions.to(device), cache=cache, logits_to_keep=1).logits[:, -1]
+            if hasattr(cache, "prefill"):
+                logits = cache.prefill(model, **inputs, **question_pass(cache, prompts, question)).logits[:, -1]
+            else:
+                logits = model(**inputs, cache=cache).logits[:, -1]
         seconds = seconds_since(start, device)
         for sequence, length in zip(sequences, mask.sum(-1).tolist()):
             sequence.prefill_seconds = seconds
@@ -240,6 +249,18 @@ class Batch:
         while self.sequences:
             self.step()
         return order
+
+
+def question_pass(cache, prompts: list[list[int]], question) -> dict:
+    """``CompressedCache.prefill``'s question and where it stands, for ``Batch.prefill``'s ``question``."""
+    tokens = cache.policy.question_tokens
+    if question is None or not tokens:
+        return {}
+    if question == "tail":
+        return {"question": ProbePass([row[-tokens:] for row in prompts], tag=QUESTION,
+                                      positions=[len(row) - len(row[-tokens:]) for row in prompts]), "in_prompt": True}
+    return {"question": ProbePass([list(question)] * len(prompts), tag=QUESTION,
+                                  positions=[len(row) for row in prompts]), "in_prompt": False}
 
 
 def seconds_since(start: float, device: torch.device) -> float:

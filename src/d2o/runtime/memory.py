@@ -2,8 +2,10 @@
 
 What a server admits and what ``bench fit`` packs under a memory cap. A layer holds K and V for
 every kept slot, and beside them each slot's token index and method state (``slot_bytes``); a
-prompt is prefilled whole before it is compressed, so the prefill holds every prompt token in
-every layer (and, for a method that probes, its longest probe pass beside them); while decoding, a
+prompt prefilled whole holds every prompt token in every layer before it is compressed (and, for
+a method that probes, its longest probe pass beside them); one prefilled in chunks holds at most
+the whole prompt's budget and a chunk in every layer (and beside them a chunk's probe pass, and
+the question shown after each chunk to a method that scores with one); while decoding, a
 method that evicts holds its budget (plus the one
 slot a new token is written into), a method that compresses once grows by every generated token,
 and the full cache holds everything. A sliding-window layer (Gemma 3) holds its window whatever the
@@ -79,11 +81,13 @@ def row_bytes(config, dtype_bytes: int, method: Method, kv_bits=None) -> int:
 
 
 def plan(config, method: Method, budget: Budget, prompt_tokens: int, new_tokens: int, dtype_bytes: int = 4,
-         stock: bool = False, evict_every: int = 1, kv_bits=None) -> KVPlan:
+         stock: bool = False, evict_every: int = 1, kv_bits=None, prefill_chunk: int | None = None,
+         question: bool = False) -> KVPlan:
     """The KV bytes of one sequence of ``prompt_tokens`` + ``new_tokens`` under ``method`` at ``budget``
     (``stock``: in transformers' own cache, which holds K and V alone: the full cache only;
     ``evict_every``: the cache's, whose layers run that many slots over their budget at most;
-    ``kv_bits``: the cache's, keys and values quantized)."""
+    ``kv_bits``: the cache's, keys and values quantized; ``prefill_chunk``: the prompt prefilled that
+    many tokens at a time, ``question`` shown after each chunk)."""
     windows = sliding_windows(config.get_text_config())
     per_slot = slot_bytes(config, dtype_bytes, method, stock, kv_bits)
     length = prompt_tokens + new_tokens
@@ -103,12 +107,34 @@ def plan(config, method: Method, budget: Budget, prompt_tokens: int, new_tokens:
         held += exempt * length
     global_slot = per_slot[compressible[0]] if compressible else 0  # every global layer's slot is alike
     sliding = sum(min(length, window) * slot for window, slot in zip(windows, per_slot) if window is not None)
-    prefill = (prompt_tokens + method.probe_tokens(prompt_tokens)) * sum(per_slot)
+    chunk = prefill_chunk if prefill_chunk and prefill_chunk < prompt_tokens and not stock else None
+    probe = method.probe_tokens(chunk or prompt_tokens) + (method.question_tokens if question else 0)
+    if chunk is None:
+        prefill, attending = (prompt_tokens + probe) * sum(per_slot), prompt_tokens + probe
+    else:  # a layer holds its budget and a chunk (a sliding one its window and a chunk), and the probe
+        whole = method.keeps_everything or budget.unlimited or not method.conserves_budget
+        held_by_globals = len(compressible) * prompt_tokens if whole else \
+            min(active * prompt_tokens, share + active * chunk) + exempt * prompt_tokens
+        prefill = (held_by_globals + len(compressible) * probe) * global_slot + sum(
+            min(prompt_tokens, window + chunk) * slot + probe * slot
+            for window, slot in zip(windows, per_slot) if window is not None)
+        # The layer attending, quantized, opens all its slots: at most the prompt, or the whole budget and a chunk.
+        attending = min(prompt_tokens, chunk + (prompt_tokens if whole else share)) + probe
     extra = row_bytes(config, dtype_bytes, method, kv_bits)
     if extra:  # the layer attending holds its tokens in full precision too, while it attends
         heads, dim = _heads_and_dim(config, method)
-        prefill += (prompt_tokens + method.probe_tokens(prompt_tokens)) * heads * 2 * dim * dtype_bytes
+        prefill += attending * heads * 2 * dim * dtype_bytes
     return KVPlan(prefill_bytes=prefill + extra, held_bytes=held * global_slot + sliding + extra)
+
+
+def over_cap(kv_plan: KVPlan, cap: int, chunked: bool) -> str | None:
+    """None if ``kv_plan`` fits in ``cap`` bytes; else what to change, for an error message."""
+    if kv_plan.peak_bytes <= cap:
+        return None
+    if kv_plan.prefill_bytes > cap and not chunked:  # the prefill holds every prompt token before compressing
+        return ("a prefill in chunks (--prefill-chunk, prefill_chunk=: the cache holds its budget and a chunk; "
+                "a prefill whole holds every prompt token before it is compressed) or a shorter prompt")
+    return "a smaller budget, a smaller prefill chunk, or a shorter prompt or answer"
 
 
 def peak_slots(cache, new_tokens: int) -> torch.Tensor:
