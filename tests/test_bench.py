@@ -94,6 +94,18 @@ def test_fit_counts_the_last_rows_uncompressed_prompt_in_its_peak(tiny):
     assert row["peak_kv_mib"] == row["planned_kv_mib"] == round((need.prefill_bytes + 10 * need.held_bytes) / 2**20, 1)
 
 
+def test_fit_in_chunks_counts_a_chunk_not_the_last_rows_whole_prompt(tiny):
+    """The cap of the test above, prompts prefilled 50 tokens at a time: the last row's prefill holds
+    its budget and a chunk, so more rows fit, and the batch still stays under the cap."""
+    prompt, generate, budget = 400, 8, Budget(ratio=0.05, min_tokens=8)
+    whole = plan(tiny.config, get_method("h2o"), budget, prompt, generate)
+    chunked = plan(tiny.config, get_method("h2o"), budget, prompt, generate, prefill_chunk=50)
+    cap = whole.prefill_bytes + 10 * whole.held_bytes
+    row, = bench_fit(tiny, None, cap, prompt, generate, ["h2o"], budget, 4, prefill_chunk=50)
+    assert row["batch"] >= largest_batch(cap, chunked.prefill_bytes, chunked.held_bytes) > 11
+    assert row["peak_kv_mib"] <= row["planned_kv_mib"] <= round(cap / 2**20, 1)
+
+
 def test_fit_stops_at_max_batch_when_the_cap_holds_more(tiny):
     """A terabyte cap on a tiny model would build and decode millions of rows."""
     rows = bench_fit(tiny, None, 2**40, 32, 4, ["full", "h2o"], Budget(ratio=0.5, min_tokens=8), 4, max_batch=3)
@@ -198,6 +210,13 @@ def test_prefill_times_each_method_against_the_same_sdpa_runs(tiny):
     assert list(row) == ["length", "sdpa_s", "h2o_s", "h2o_over_sdpa", "d2o_s", "d2o_over_sdpa", "sdpa_peak_mib",
                          "h2o_peak_mib", "d2o_peak_mib", "stats_peak_mib", "attention_matrix_mib"]
     assert row["length"] == 96 and all(row[f"{method}_over_sdpa"] > 0 for method in ("h2o", "d2o"))
+
+
+def test_prefill_in_chunks_is_timed_beside_the_same_method_prefilled_whole(tiny):
+    row, = bench_prefill(tiny, None, [96], ["h2o"], Budget.parse("0.2"), chunks=[32])
+    assert [key for key in row if "@" in key] == ["h2o@32_s", "h2o@32_over_sdpa", "h2o@32_peak_mib",
+                                                   "h2o@32_over_whole", "h2o@32_peak_over_whole"]
+    assert row["h2o@32_over_whole"] > 0 and row["h2o@32_peak_over_whole"] > 0
 
 
 def test_the_attention_matrix_is_sized_in_the_models_dtype():

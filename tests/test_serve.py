@@ -225,7 +225,25 @@ def test_a_prompt_whose_prefill_exceeds_the_memory_is_told_to_be_shorter(server)
     long = {**CHAT, "messages": [{"role": "user", "content": "word " * 2000}], "kv_method": "h2o", "kv_budget": "16t"}
     reply = httpx.post(url + "/v1/chat/completions", json=long)
     assert reply.status_code == 400 and reply.json()["error"]["code"] == "kv_memory_exceeded"
-    assert "use a shorter prompt (the prefill holds every prompt token" in reply.json()["error"]["message"]
+    assert "use a shorter prompt, or a server prefilling in chunks (d2o serve --prefill-chunk" in \
+        reply.json()["error"]["message"]
+
+
+def test_a_server_prefilling_in_chunks_admits_a_prompt_whose_whole_prefill_exceeds_the_memory(real_model):
+    """The request refused above: in chunks of 256 its cache holds 16 tokens and a chunk per layer,
+    and the answer is the library's, prefilled the same way."""
+    model, tokenizer = real_model
+    prompt = essay(tokenizer, 2000)
+    body = {"model": "smollm2", "prompt": prompt, "max_tokens": 6, "temperature": 0, "kv_method": "snapkv",
+            "kv_budget": "0.05"}
+    whole = plan(model.config, get_method("snapkv"), Budget.parse("0.05"), 2000, 6)
+    with serving(model, tokenizer, kv_memory=whole.prefill_bytes // 3) as (url, _):
+        assert httpx.post(url + "/v1/completions", json=body).json()["error"]["code"] == "kv_memory_exceeded"
+    with serving(model, tokenizer, kv_memory=whole.prefill_bytes // 3, prefill_chunk=256) as (url, _):
+        reply = httpx.post(url + "/v1/completions", json=body, timeout=300)
+    assert reply.status_code == 200, reply.text
+    expected = generate(model, tokenizer, prompt, "snapkv", 0.05, max_new_tokens=6, prefill_chunk=256)
+    assert reply.json()["choices"][0]["text"] == expected.texts[0]
 
 
 def test_a_cap_that_holds_not_one_request_is_refused_at_start(real_model):

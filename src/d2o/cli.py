@@ -233,6 +233,7 @@ def serve(
                   "document), reused by the requests that begin with them; 0: none."),
     evict_every: int = typer.Option(EVICT_EVERY, help=EVICT_HELP),
     kv_bits: Optional[str] = typer.Option(None, help=KV_BITS_HELP),
+    prefill_chunk: Optional[int] = typer.Option(None, help=CHUNK_HELP + " Admission counts that peak."),
 ):
     """An OpenAI-compatible server: continuous batching, admission by KV memory (see docs/guides/serving.md)."""
     from d2o.serve.config import ServeConfig
@@ -241,7 +242,7 @@ def serve(
                          kv_memory=parse_bytes(kv_memory), max_queue=max_queue, max_tokens=max_tokens, dtype=dtype,
                          attention=attention, device_map=device_map,
                          prefix_cache_memory=memory_or_none(prefix_cache_memory), evict_every=evict_every,
-                         kv_bits=check_kv_bits(kv_bits))
+                         kv_bits=check_kv_bits(kv_bits), prefill_chunk=prefill_chunk)
     if replicas < 0:
         raise D2OError(f"replicas must be >= 0, got {replicas}")
     config.check()  # before the model loads
@@ -550,6 +551,7 @@ def bench_fit(
     evict_every: int = typer.Option(1, help=BENCH_EVICT_HELP),
     kv_bits: str = typer.Option("none", help="Comma-separated: the compressed methods also with keys and values "
                                 "at 8, 4 or 2 bits, each a row (none: the model's dtype only)."),
+    prefill_chunk: Optional[int] = typer.Option(None, help=CHUNK_HELP + " The compressed methods only."),
     model: str = MODEL, shape: Optional[str] = SHAPE, positions: Optional[int] = POSITIONS,
     dtype: str = DTYPE, device: Optional[str] = DEVICE, out: Path = OUT,
 ):
@@ -557,7 +559,8 @@ def bench_fit(
 
     cap, names, parsed = (parse_bytes(kv_memory), distinct(split_list(methods), "methods"),
                           parse_budgets([budget], min_tokens)[0])
-    at_least_one(prompt=prompt, max_batch=max_batch, evict_every=evict_every)
+    at_least_one(prompt=prompt, max_batch=max_batch, evict_every=evict_every,
+                 **({} if prefill_chunk is None else dict(prefill_chunk=prefill_chunk)))
     widths = kv_bits_list(kv_bits)
     check_fit_generate(generate)
     check_device(device)
@@ -570,13 +573,13 @@ def bench_fit(
 
     net, tokenizer = bench_model(model, shape, positions or prompt + generate + 1, dtype, device, names, parsed)
     rows = run(net, tokenizer, cap, prompt, generate, names, parsed, next(net.parameters()).element_size(), max_batch,
-               evict_every, widths)
+               evict_every, widths, prefill_chunk)
     stopped = [row["method"] for row in rows if row["batch"] == max_batch]
     if stopped:  # not the cap's measure: said, so that the ratios are not read as the cap's
         typer.echo(f"{', '.join(stopped)}: the batch reached --max-batch {max_batch} rows before the KV cap "
                    f"(the cap may hold more)", err=True)
     setting = dict(model=shape or model, dtype=dtype, kv_memory=cap, prompt=prompt, generate=generate,
-                   budget=str(parsed), min_tokens=parsed.min_tokens, max_batch=max_batch)
+                   budget=str(parsed), min_tokens=parsed.min_tokens, max_batch=max_batch, prefill_chunk=prefill_chunk)
     emit(rows, f"Throughput under {kv_memory} of KV cache: {shape or model}, {prompt} + {generate} tokens, budget "
          f"{parsed.described}", "fit", out, setting)
     plots.bars(rows, "decode_tokens_per_s", "decode tokens/s", f"tokens/s under {kv_memory} of KV cache",
@@ -591,13 +594,16 @@ def bench_prefill(
     repeats: int = typer.Option(1, help="Alternating repeats per length (median reported)."),
     min_tokens: Optional[int] = typer.Option(None, help=FLOOR_HELP),
     eager: bool = typer.Option(False, "--eager", help="Also time transformers' eager attention."),
+    chunks: str = typer.Option("", help="Comma-separated chunk sizes: each method also prefills in chunks of each "
+                               "(--prefill-chunk), beside its prompt prefilled whole."),
     model: str = MODEL, shape: Optional[str] = SHAPE, positions: Optional[int] = POSITIONS,
     dtype: str = DTYPE, device: Optional[str] = DEVICE, out: Path = OUT,
 ):
     """Prefill time of each method over plain SDPA, and the peak memory of each against the S x S matrix."""
     parsed, sizes = parse_budgets([budget], min_tokens)[0], split_list(lengths, int)
     names = distinct(split_list(methods), "methods")
-    at_least_one(lengths=sizes, repeats=repeats)
+    chunk_sizes = tuple(distinct(split_list(chunks, int), "chunks"))
+    at_least_one(lengths=sizes, repeats=repeats, **(dict(chunks=chunk_sizes) if chunk_sizes else {}))
     if "full" in names:
         raise D2OError("full is the stock prefill: plain SDPA is timed in every run already")
     check_device(device)
@@ -609,12 +615,12 @@ def bench_prefill(
     from d2o.bench.prefill import bench_prefill as run
 
     net, tokenizer = bench_model(model, shape, positions or max(sizes), dtype, device, tuple(names), parsed)
-    rows = run(net, tokenizer, sizes, names, parsed, repeats, eager)
+    rows = run(net, tokenizer, sizes, names, parsed, repeats, eager, chunk_sizes)
     setting = dict(model=shape or model, dtype=dtype, methods=names, budget=str(parsed), min_tokens=parsed.min_tokens,
-                   repeats=repeats)
+                   repeats=repeats, chunks=chunk_sizes)
     emit(rows, f"Prefill: {shape or model}, {dtype}, {', '.join(names)} at {parsed.described} against SDPA", "prefill",
          out, setting)
-    plots.prefill_plot(rows, names, out)
+    plots.prefill_plot(rows, [*names, *(f"{name}@{chunk}" for name in names for chunk in chunk_sizes)], out)
 
 
 @bench_app.command("throughput")

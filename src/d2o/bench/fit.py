@@ -71,7 +71,8 @@ def _run_full(model, need, cap: int, max_batch: int, prompt_of, generate: int) -
 
 
 def _run_packed(model, method, budget, need, cap: int, max_batch: int, per_slot: list[int], prompt_of,
-                generate: int, evict_every: int = 1, kv_bits=None, per_row: int = 0) -> Run:
+                generate: int, evict_every: int = 1, kv_bits=None, per_row: int = 0,
+                prefill_chunk: int | None = None) -> Run:
     """A compressed cache: rows prefilled alone, compressed and joined while they fit (see above), at
     most ``max_batch`` of them."""
     decoding, peaks, planned, most, prefill_seconds = None, None, 0, 0, 0.0
@@ -79,7 +80,8 @@ def _run_packed(model, method, budget, need, cap: int, max_batch: int, per_slot:
         held = decoding.cache.nbytes if decoding else 0  # the rows wait, not decoding, while the next is prefilled
         if held + need.prefill_bytes > cap:
             break
-        cache = CompressedCache(model, method, budget, evict_every=evict_every, kv_bits=kv_bits)
+        cache = CompressedCache(model, method, budget, evict_every=evict_every, kv_bits=kv_bits,
+                                prefill_chunk=prefill_chunk)
         start = perf_counter()
         one, whole = _prefill_measured(model, cache, prompt_of(decoding.size if decoding else 0), generate)
         seconds = seconds_since(start, cache.layers[0].device)  # its compression included
@@ -105,8 +107,9 @@ def _run_packed(model, method, budget, need, cap: int, max_batch: int, per_slot:
 
 
 def _prefill_measured(model, cache: CompressedCache, prompt: list[int], generate: int) -> tuple[Batch, int]:
-    """One row prefilled as a server prefills it (compressed at the end of its pass), and the bytes
-    its cache held just before the compression: its whole prompt. (Under ``hold`` every layer would
+    """One row prefilled as a server prefills it (compressed at the end of its pass, or of each
+    chunk's), and the most bytes its cache held just before a compression: its whole prompt, or its
+    budget and a chunk. (Under ``hold`` every layer would
     keep its window's attention rows until the block ended, memory no prefill holds otherwise.)"""
     schedule = cache.schedule
     compress, whole = schedule.compress, []
@@ -120,7 +123,7 @@ def _prefill_measured(model, cache: CompressedCache, prompt: list[int], generate
         one = Batch.prefill(model, cache, [prompt], [Sequence(None, generate)])
     finally:
         del schedule.compress
-    return one, whole[0]
+    return one, max(whole)
 
 
 def _decode(decoding: Batch, most: int) -> tuple[float, int, int]:
@@ -146,11 +149,12 @@ def _warm_up(model, name: str, method, budget: Budget, ids: list[int]) -> None:
 
 def bench_fit(model, tokenizer, cap: int, prompt: int, generate: int, methods: list[str], budget: Budget,
               dtype_bytes: int, max_batch: int = FIT_MAX_BATCH, evict_every: int = 1,
-              kv_bits: tuple[int | None, ...] = (None,)) -> list[dict]:
+              kv_bits: tuple[int | None, ...] = (None,), prefill_chunk: int | None = None) -> list[dict]:
     """Per method: the largest batch under ``cap`` (and at most ``max_batch`` rows: a cap far above
     the model's needs would otherwise build and decode millions of rows), its measured tokens/s and
     peak KV bytes, and the ratios to the full cache. ``evict_every``: the compressed caches' (their
-    plans count its slack slots); ``kv_bits``: each compressed method once per value (None: unquantized)."""
+    plans count its slack slots); ``kv_bits``: each compressed method once per value (None: unquantized);
+    ``prefill_chunk``: the compressed caches prefill their prompts that many tokens at a time."""
     check_length(model, prompt, generate)
     check_fit_generate(generate)
     prompt_of = row_prompts(tokenizer, model.config.get_text_config().vocab_size, prompt)
@@ -162,7 +166,8 @@ def bench_fit(model, tokenizer, cap: int, prompt: int, generate: int, methods: l
     for name, bits in [(name, bits) for name in methods for bits in ((None,) if name == FULL else kv_bits)]:
         method = chosen[name]
         need = plan(model.config, method, budget, prompt, generate, dtype_bytes, stock=name == FULL,
-                    evict_every=evict_every, kv_bits=bits)
+                    evict_every=evict_every, kv_bits=bits, prefill_chunk=prefill_chunk,
+                    question=bool(method.question_tokens))
 
         none_fit = D2OError(f"a KV cap of {cap:,} bytes holds not one {prompt}+{generate}-token sequence "
                             f"under {name} (it needs {need.peak_bytes:,})")
@@ -175,7 +180,8 @@ def bench_fit(model, tokenizer, cap: int, prompt: int, generate: int, methods: l
             else:
                 per_slot = slot_bytes(model.config, dtype_bytes, method, kv_bits=bits)
                 run = _run_packed(model, method, budget, need, cap, max_batch, per_slot, prompt_of, generate,
-                                  evict_every, bits, row_bytes(model.config, dtype_bytes, method, bits))
+                                  evict_every, bits, row_bytes(model.config, dtype_bytes, method, bits),
+                                  prefill_chunk)
         if run.batch == 0:  # a row's plan bounds its peak, so this is not expected
             raise none_fit
         rows.append({"method": name, "budget": "-" if name == FULL else str(budget),

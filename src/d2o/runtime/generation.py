@@ -66,8 +66,11 @@ def check_memory(model, method: Method, budget: Budget, rows: list[list[int]], n
                    evict_every=evict_every, kv_bits=kv_bits, prefill_chunk=prefill_chunk,
                    question=question_aware and bool(method.question_tokens))
     whole = KVPlan(len(rows) * kv_plan.prefill_bytes, len(rows) * kv_plan.held_bytes)
-    remedy = over_cap(whole, cap, bool(prefill_chunk) and prefill_chunk < longest)
-    if remedy is not None:
+    over = over_cap(whole, cap, bool(prefill_chunk) and prefill_chunk < longest)
+    if over is not None:
+        remedy = dict(prefill="a prefill in chunks (prefill_chunk=, --prefill-chunk: the cache holds its budget and "
+                              "a chunk; a prefill whole holds every prompt token before it is compressed)",
+                      held="a smaller budget, prefill chunk, prompt or answer")[over]
         rows_said = f"{len(rows)} rows of " if len(rows) > 1 else ""
         raise D2OError(f"{rows_said}{longest} prompt tokens + {new_tokens} new need {whole.peak_bytes:,} bytes of KV "
                        f"cache at their peak under {method.name} (prefill {whole.prefill_bytes:,}, held after it "

@@ -128,13 +128,12 @@ def plan(config, method: Method, budget: Budget, prompt_tokens: int, new_tokens:
 
 
 def over_cap(kv_plan: KVPlan, cap: int, chunked: bool) -> str | None:
-    """None if ``kv_plan`` fits in ``cap`` bytes; else what to change, for an error message."""
+    """None if ``kv_plan`` fits in ``cap`` bytes; "prefill" if only a prefill in chunks (or a
+    shorter prompt) would make it fit: a prefill whole holds every prompt token before it is
+    compressed; else "held": its budget, chunk, prompt or answer must shrink."""
     if kv_plan.peak_bytes <= cap:
         return None
-    if kv_plan.prefill_bytes > cap and not chunked:  # the prefill holds every prompt token before compressing
-        return ("a prefill in chunks (--prefill-chunk, prefill_chunk=: the cache holds its budget and a chunk; "
-                "a prefill whole holds every prompt token before it is compressed) or a shorter prompt")
-    return "a smaller budget, a smaller prefill chunk, or a shorter prompt or answer"
+    return "prefill" if kv_plan.prefill_bytes > cap and not chunked else "held"
 
 
 def peak_slots(cache, new_tokens: int) -> torch.Tensor:

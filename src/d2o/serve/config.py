@@ -27,6 +27,7 @@ class ServeConfig:
     prefix_cache_memory: int = 0  # bytes of --kv-memory for compressed prefixes (0: no prefix cache)
     evict_every: int = EVICT_EVERY  # evict in batches of decode steps (CompressedCache's)
     kv_bits: int | None = None  # keys and values stored at 8, 4 or 2 bits (None: the model's dtype)
+    prefill_chunk: int | None = None  # prompts prefilled this many tokens at a time (None: whole)
 
     def check(self):
         """Refuse bad options before anything heavy loads (the method and budget too); returns the
@@ -39,6 +40,8 @@ class ServeConfig:
         if self.evict_every < 1:
             raise D2OError(f"evict_every must be at least 1, got {self.evict_every}")
         check_kv_bits(self.kv_bits)
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
+            raise D2OError(f"prefill_chunk must be at least 1 token (or none: whole), got {self.prefill_chunk}")
         if not 0 <= self.prefix_cache_memory < self.kv_memory:
             raise D2OError(f"--prefix-cache-memory ({self.prefix_cache_memory:,} bytes) is part of --kv-memory "
                            f"({self.kv_memory:,}): it must be >= 0 and leave room for the requests")

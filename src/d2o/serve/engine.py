@@ -28,7 +28,7 @@ from d2o.methods import get_method
 from d2o.runtime.context import compress_ids, conversation_ids
 from d2o.runtime.decoding import Batch, Sampling, Sequence
 from d2o.runtime.generation import resolve
-from d2o.runtime.memory import peak_slots, plan, row_bytes, slot_bytes
+from d2o.runtime.memory import over_cap, peak_slots, plan, row_bytes, slot_bytes
 from d2o.runtime.prompts import check_length, encode, positions, stop_token_ids
 from d2o.serve.config import ServeConfig
 from d2o.serve.jobs import Job, Lane, stable_text
@@ -51,8 +51,8 @@ class Engine:
         self.stops = stop_token_ids(model, tokenizer)
         self.dtype_bytes = next(model.parameters()).element_size()
         self.evict_every, self.kv_bits = config.evict_every, config.kv_bits
-        smallest = plan(model.config, method, budget, 1, 1, self.dtype_bytes, evict_every=self.evict_every,
-                        kv_bits=self.kv_bits).peak_bytes
+        self.prefill_chunk = config.prefill_chunk
+        smallest = self._plan(method, budget, 1, 1).peak_bytes
         if smallest > self.cap:  # every request would be refused
             raise D2OError(f"--kv-memory of {self.cap:,} bytes holds not one request (a 1-token prompt and 1 new "
                            f"token need {smallest:,} bytes under {config.method})")
@@ -102,12 +102,12 @@ class Engine:
             prompt_fits = limit is None or len(ids) < limit
             param = "max_tokens" if prompt_fits else "messages" if chat else "prompt"  # the part to shorten
             raise APIError(400, str(error), param, "context_length_exceeded") from None
-        kv_plan = plan(self.model.config, method, budget, len(ids), max_tokens, self.dtype_bytes,
-                       evict_every=self.evict_every, kv_bits=self.kv_bits)
-        if kv_plan.peak_bytes > self.cap:
-            # The prefill holds every prompt token before compressing: there, only a shorter prompt helps.
-            remedy = ("a shorter prompt (the prefill holds every prompt token before the cache is compressed)"
-                      if kv_plan.prefill_bytes > self.cap else "a smaller kv_budget, prompt or max_tokens")
+        kv_plan = self._plan(method, budget, len(ids), max_tokens)
+        over = over_cap(kv_plan, self.cap, self.prefill_chunk is not None and self.prefill_chunk < len(ids))
+        if over is not None:
+            remedy = dict(prefill="a shorter prompt, or a server prefilling in chunks (d2o serve --prefill-chunk: "
+                                  "a prefill whole holds every prompt token before the cache is compressed)",
+                          held="a smaller kv_budget, prompt or max_tokens")[over]
             raise APIError(400, f"this request needs {kv_plan.peak_bytes:,} bytes of KV cache at its peak "
                            f"({method.name}, {len(ids)} prompt tokens + {max_tokens} new): more than the server's "
                            f"whole --kv-memory of {self.cap:,}; use {remedy}", None, "kv_memory_exceeded")
@@ -118,6 +118,13 @@ class Engine:
         if self.prefixes is not None and chat and method.compress_after_forward == 1:
             job.boundary = self._boundary(prompt, ids)
         return job
+
+    def _plan(self, method, budget, prompt_tokens: int, new_tokens: int):
+        """The KV bytes of one request here (``runtime.memory.plan``), prefilled as this server does:
+        in chunks, if it does, with a method that scores with the question shown it after each."""
+        return plan(self.model.config, method, budget, prompt_tokens, new_tokens, self.dtype_bytes,
+                    evict_every=self.evict_every, kv_bits=self.kv_bits, prefill_chunk=self.prefill_chunk,
+                    question=bool(method.question_tokens))
 
     def _boundary(self, messages: list[dict], ids: list[int]) -> int | None:
         """Where the turns before a chat's last user message end in ``ids`` (None: it does not end
@@ -224,7 +231,7 @@ class Engine:
             batch = self._from_prefix(job) if self.prefixes is not None else None
             if batch is None:
                 cache = CompressedCache(self.model, job.method, job.budget, evict_every=self.evict_every,
-                                        kv_bits=self.kv_bits)
+                                        kv_bits=self.kv_bits, prefill_chunk=self.prefill_chunk)
                 batch = Batch.prefill(self.model, cache, [job.ids], [job.sequence])
             job.peaks = peak_slots(batch.cache, job.sequence.max_new_tokens)[0]
         except D2OError as error:  # e.g. a ratio too small for a short prompt without a floor
@@ -262,7 +269,8 @@ class Engine:
         context = found
         if job.boundary is not None and (found is None or len(found.ids) < job.boundary):
             context = (compress_ids(self.model, self.tokenizer, job.ids[: job.boundary], job.method, job.budget,
-                                    evict_every=self.evict_every, kv_bits=self.kv_bits)
+                                    evict_every=self.evict_every, kv_bits=self.kv_bits,
+                                    prefill_chunk=self.prefill_chunk)
                        if found is None else found.extend_ids(job.ids[len(found.ids): job.boundary]))
             with self._lock:
                 self.prefixes.add(key, context, self.cap - self._reserved(self._admitted))
@@ -393,8 +401,7 @@ class Engine:
         for key, (count, prompt_tokens, max_tokens) in shapes.items():
             method, budget = self._methods[key]
             shape = (max(1, round(prompt_tokens / count)), max(1, round(max_tokens / count)), self.dtype_bytes)
-            mine[labels(key)] = fit(self.cap, plan(self.model.config, method, budget, *shape,
-                                                   evict_every=self.evict_every, kv_bits=self.kv_bits))
+            mine[labels(key)] = fit(self.cap, self._plan(method, budget, *shape[:2]))
             full[labels(key)] = fit(self.cap, plan(self.model.config, get_method("full"), Budget.parse(1.0), *shape))
         return mine, full
 
