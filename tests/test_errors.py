@@ -231,6 +231,14 @@ def test_a_model_folder_whose_weights_are_cut_or_fit_another_config(monkeypatch,
     (["bench", "prefill", "--shape", "tiny", "--positions", "0"], "positions must be at least 1, got 0"),
     (["bench", "decode", "--out", "/proc/d2o-results"], "cannot create the results folder '/proc/d2o-results'"),
     (["bench", "serve", "--out", "/proc/d2o/serve.json"], "cannot create the results file '/proc/d2o/serve.json'"),
+    (["generate", "--prompt", "hi", "--question-blind"], "--question-blind goes with --prefill-chunk"),
+    (["generate", "--prompt", "hi", "--prefill-chunk", "0"], "prefill_chunk must be at least 1, got 0"),
+    (["generate", "--prompt", "hi", "--kv-memory", "12XB"], "memory size '12XB'"),
+    (["eval", "--task", "passkey", "--prefill-chunk", "-4"], "prefill_chunk must be a whole number of tokens >= 1"),
+    (["serve", "--prefill-chunk", "0"], "prefill_chunk must be at least 1 token"),
+    (["bench", "fit", "--kv-memory", "1GB", "--prefill-chunk", "0"], "prefill_chunk must be at least 1, got 0"),
+    (["bench", "prefill", "--chunks", "512,0"], "chunks must be at least 1, got 0"),
+    (["bench", "prefill", "--chunks", "512,512"], "512 given twice in chunks"),
 ])
 def test_bad_input_fails_before_torch_loads(args, message):
     """Checked at the front door: one line, exit code 2, and neither torch nor a model was loaded."""

