@@ -37,6 +37,7 @@ from d2o.serve.protocol import APIError, CompletionRequest
 
 pytestmark = pytest.mark.real_model
 QUESTION = "What is the capital of France?"
+STORY = "Write a long story about a lighthouse keeper."
 
 
 @contextlib.contextmanager
@@ -244,6 +245,58 @@ def test_a_server_prefilling_in_chunks_admits_a_prompt_whose_whole_prefill_excee
     assert reply.status_code == 200, reply.text
     expected = generate(model, tokenizer, prompt, "snapkv", 0.05, max_new_tokens=6, prefill_chunk=256)
     assert reply.json()["choices"][0]["text"] == expected.texts[0]
+
+
+def test_a_prompt_prefilled_in_chunks_lets_the_running_requests_step_between_its_chunks(real_model, monkeypatch):
+    """A stream runs while a 1,500-token prompt arrives: the server feeds that prompt 64 tokens a
+    round, and steps the stream in each round between (prefilled whole, it would step in none);
+    both answer as the library does."""
+    model, tokenizer = real_model
+    between = []
+    original = Engine._step
+
+    def step(engine, lane):  # a lane steps while another request is part-way through its prefill
+        between.append(any(job.prefilling is not None for job in engine._admitted))
+        original(engine, lane)
+
+    monkeypatch.setattr(Engine, "_step", step)
+    prompt = essay(tokenizer, 1500)
+    with serving(model, tokenizer, kv_memory=parse_bytes("1GB"), prefill_chunk=64) as (url, _):
+        stream = client(url).chat.completions.create(model="smollm2", messages=[{"role": "user", "content": STORY}],
+                                                     max_tokens=48, temperature=0, stream=True,
+                                                     extra_body={"kv_method": "h2o"})
+        parts = [next(stream).choices[0].delta.content or ""]
+        with ThreadPoolExecutor(1) as pool:
+            long = pool.submit(client(url).completions.create, model="smollm2", prompt=prompt, max_tokens=4,
+                               temperature=0, extra_body={"kv_method": "d2o-novelty"})
+            parts += [chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices]
+            answer = long.result()
+    assert sum(between) >= 5
+    assert answer.choices[0].text == generate(model, tokenizer, prompt, "d2o-novelty", 0.2, max_new_tokens=4,
+                                              prefill_chunk=64).texts[0]
+    assert "".join(parts) == generate(model, tokenizer, STORY, "h2o", 0.2, max_new_tokens=48, chat=True).texts[0]
+
+
+def test_a_request_cancelled_part_way_through_its_prefill_in_chunks_is_dropped_there(real_model, monkeypatch):
+    """Its client gives up while its prompt is fed 16 tokens a round: the next round drops it, its
+    cache unfinished, and nothing stays reserved."""
+    model, tokenizer = real_model
+    fed = []
+    original = Engine._prefill
+
+    def prefill(engine, job):
+        original(engine, job)
+        fed.append(job.prefilling is not None)  # part-way through after this round
+
+    monkeypatch.setattr(Engine, "_prefill", prefill)
+    gone = 'd2o_requests_total{budget="0.2",method="d2o",outcome="cancelled"}'
+    with serving(model, tokenizer, kv_memory=parse_bytes("1GB"), prefill_chunk=16) as (url, _):
+        request = {"model": "smollm2", "prompt": essay(tokenizer, 4000), "max_tokens": 4, "temperature": 0}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "/v1/completions", json=request, timeout=1.0)
+        after = wait_for(url, lambda m: m.get(gone, 0) == 1)
+    assert after[gone] == 1 and after["d2o_kv_bytes"] == 0 and after["d2o_kv_bytes_reserved"] == 0
+    assert fed[0] and not fed[-1] and len(fed) < 4000 // 16  # cut short: fewer rounds than its chunks
 
 
 def test_a_cap_that_holds_not_one_request_is_refused_at_start(real_model):

@@ -216,6 +216,16 @@ class CompressedCache(Cache):
         and one chunk. ``question``: a pass of the question (``api.QUESTION``) shown after each chunk to
         a method that scores with it: the prompt's own last tokens (``in_prompt``), or a question to
         come. Returns the model's output for the last chunk (``kwargs`` go to every pass)."""
+        for output, _ in self.prefill_steps(model, input_ids, attention_mask, position_ids, question, in_prompt,
+                                            **kwargs):
+            pass
+        return output
+
+    def prefill_steps(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                      position_ids: torch.Tensor | None = None, question: ProbePass | None = None,
+                      in_prompt: bool = True, **kwargs):
+        """``prefill`` one chunk at a time (a server feeds one between its decode steps): yields
+        ``(output, done)`` after each chunk."""
         return self.schedule.prefill(model, input_ids, attention_mask, position_ids, question, in_prompt, **kwargs)
 
     # -- tokens --------------------------------------------------------------------------------

@@ -77,11 +77,14 @@ class Schedule:
         """Feed a prompt (B, S) (left-padded: ``attention_mask``) through ``model``, whole or ``prefill_chunk``
         tokens at a time, compressed after each chunk; ``question``, a pass the methods that score
         with a question see after each chunk: the prompt's own last tokens (``in_prompt``) or a
-        question asked after it. Returns the model's output for the last chunk."""
+        question asked after it. One chunk per step: yields ``(output, done)`` after each, the
+        model's output for that chunk and whether it was the last (closed early: the cache is left
+        part-filled and not compressed, for nothing but to be dropped)."""
         length, chunk = input_ids.shape[1], self.cache.prefill_chunk or input_ids.shape[1]
         if length <= chunk and (question is None or in_prompt):
-            return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         cache=self.cache, **kwargs)
+            yield model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                        cache=self.cache, **kwargs), True
+            return
         policy = self.cache.policy
         if policy.compress_after_forward > 1:
             raise D2OError(f"{policy.name} first compresses after the first decode step: it cannot compress a prompt "
@@ -100,11 +103,13 @@ class Schedule:
                 output = model(input_ids=input_ids[:, start:end], cache=self.cache,
                                attention_mask=None if attention_mask is None else attention_mask[:, :end],
                                position_ids=None if position_ids is None else position_ids[:, start:end], **kwargs)
+                if end < length:
+                    yield output, False
         finally:
             self.chunks = None
         self.forwards = forwards + 1
         self._observe_while_decoding()
-        return output
+        yield output, True
 
     def end_of_forward(self) -> None:
         if not self.holds:

@@ -160,6 +160,15 @@ class Batch:
         d2o cache with ``prefill_chunk`` takes them in chunks; ``question``: what it shows after each
         chunk to a method that scores with a question: "tail", each prompt's own last tokens; None,
         nothing; or a list of token ids asked after every prompt, at the position after it)."""
+        for batch in cls.prefill_steps(model, cache, prompts, sequences, question):
+            pass
+        return batch
+
+    @classmethod
+    def prefill_steps(cls, model, cache, prompts: list[list[int]], sequences: list[Sequence],
+                      question: str | None = "tail"):
+        """``prefill`` one chunk at a time: yields None after each chunk but the last, then the batch.
+        The prefill's seconds are its chunks' own, not the time between them."""
         device = next(model.parameters()).device
         input_ids, mask = left_pad(prompts)
         padded = not bool(mask.all())
@@ -168,17 +177,23 @@ class Batch:
         positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
         inputs = dict(input_ids=input_ids.to(device), attention_mask=mask.to(device) if padded else None,
                       position_ids=positions.to(device), logits_to_keep=1)
-        start = time.perf_counter()
-        with torch.inference_mode():
-            if hasattr(cache, "prefill"):
-                logits = cache.prefill(model, **inputs, **question_pass(cache, prompts, question)).logits[:, -1]
-            else:
-                logits = model(**inputs, cache=cache).logits[:, -1]
-        seconds = seconds_since(start, device)
+        if hasattr(cache, "prefill_steps"):
+            steps = cache.prefill_steps(model, **inputs, **question_pass(cache, prompts, question))
+        else:
+            steps = ((model(**inputs, cache=cache), True) for _ in range(1))
+        seconds, done = 0.0, False
+        while not done:
+            start = time.perf_counter()
+            with torch.inference_mode():  # per chunk: between chunks the caller's own mode holds
+                output, done = next(steps)
+            seconds += seconds_since(start, device)
+            if not done:
+                yield None
+        logits = output.logits[:, -1]
         for sequence, length in zip(sequences, mask.sum(-1).tolist()):
             sequence.prefill_seconds = seconds
             sequence.prompt_tokens = length
-        return cls(model, cache, sequences, logits, mask.sum(-1).to(device))
+        yield cls(model, cache, sequences, logits, mask.sum(-1).to(device))
 
     @property
     def size(self) -> int:

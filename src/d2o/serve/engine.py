@@ -1,8 +1,9 @@
 """The serving engine: the model, the queue, admission by KV memory, and continuous batching.
 
 One thread does all model work, in rounds: prefill the next admitted request into a cache of its
-own (``Batch.prefill``), let it join a running batch of its method and budget (a *lane*), then
-step every lane once. A request's row leaves its batch when it finishes or is cancelled, and its
+own (``Batch.prefill``; with ``prefill_chunk``, one chunk of it per round, so that a long prompt
+holds the running requests up by a chunk at a time, not by its whole prefill), let it join a
+running batch of its method and budget (a *lane*) once prefilled, then step every lane once. A request's row leaves its batch when it finishes or is cancelled, and its
 cache rows go with it. Requests of different methods or budgets never share a batch (their caches
 cannot); requests of the same key may run in more than one lane, when joining would not fit.
 
@@ -225,18 +226,30 @@ class Engine:
             job.emit("error", APIError(503, "the server is shutting down", None, "shutting_down", "server_error"))
 
     def _prefill(self, job: Job) -> None:
+        """The next chunk of the job's prefill (all of it, unless the server prefills in chunks); once
+        its prompt is in, the job joins a lane."""
         if job.cancelled:
+            job.prefilling = None  # a prefill cut short: its cache goes at once
             return self._settle(job, None, "cancelled")
         try:
-            batch = self._from_prefix(job) if self.prefixes is not None else None
+            batch = None
+            if job.prefilling is None:
+                batch = self._from_prefix(job) if self.prefixes is not None else None
+                if batch is None:
+                    cache = CompressedCache(self.model, job.method, job.budget, evict_every=self.evict_every,
+                                            kv_bits=self.kv_bits, prefill_chunk=self.prefill_chunk)
+                    job.prefilling = Batch.prefill_steps(self.model, cache, [job.ids], [job.sequence])
             if batch is None:
-                cache = CompressedCache(self.model, job.method, job.budget, evict_every=self.evict_every,
-                                        kv_bits=self.kv_bits, prefill_chunk=self.prefill_chunk)
-                batch = Batch.prefill(self.model, cache, [job.ids], [job.sequence])
+                batch = next(job.prefilling)
+                if batch is None:  # more chunks to come, in the next rounds
+                    return
+                job.prefilling = None
             job.peaks = peak_slots(batch.cache, job.sequence.max_new_tokens)[0]
         except D2OError as error:  # e.g. a ratio too small for a short prompt without a floor
+            job.prefilling = None
             return self._settle(job, APIError(400, str(error), "kv_budget"), "failed")
         except Exception as error:  # noqa: BLE001 - the server keeps serving the others
+            job.prefilling = None
             return self._settle(job, APIError(500, f"prefill failed: {error}", kind="server_error"), "failed")
         self._record_kv(extra=job.plan.prefill_bytes)
         per_slot = slot_bytes(self.model.config, self.dtype_bytes, job.method, kv_bits=self.kv_bits)
@@ -292,6 +305,7 @@ class Engine:
             self._lanes.clear()
             self._bounds.clear()
         for job in jobs:
+            job.prefilling = None
             self._settle(job, APIError(500, f"internal error: {error!r}", kind="server_error"), "failed")
         self._record_kv()
 

@@ -43,6 +43,7 @@ class Job:
         self.counted = 0  # tokens counted in the statistics so far
         self.boundary: int | None = None  # its earlier turns' length, where its prefix may be cached
         self.cached_tokens = 0  # of its prompt, found compressed in the prefix cache
+        self.prefilling = None  # its prefill in chunks under way (``Batch.prefill_steps``), between rounds
 
     def emit(self, kind: str, payload=None) -> None:
         try:
