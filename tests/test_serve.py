@@ -719,3 +719,15 @@ def test_a_port_already_taken_is_one_line_before_the_model_loads(monkeypatch, ca
             main()
     err = capsys.readouterr().err
     assert done.value.code == 2 and f"cannot listen on 127.0.0.1:{port}" in err and len(err.strip().splitlines()) == 1
+
+
+def test_bench_serve_mixed_times_the_short_streams_gaps_beside_servers_prefilling_whole_and_in_chunks(real_model):
+    from d2o.bench.serve import bench_serve, workload
+
+    model, tokenizer = real_model
+    kinds = [conversation.long for conversation in workload(tokenizer, "mixed", 8, 300, 1, 1)]
+    assert kinds == [True, False, False, False, True, False, False, False]  # taken from the end: every fourth
+    rows = bench_serve(model, tokenizer, [("d2o-novelty", "0.2")], parse_bytes("256MB"), clients=3, requests=8,
+                       prompt_tokens=300, max_tokens=6, kind="mixed", prefill_chunks=(None, 64))
+    assert [(row["prefill_chunk"], row["answered"]) for row in rows] == [("whole", 8), (64, 8)]
+    assert all(0 < row["itl_p50_ms"] <= row["itl_p99_ms"] for row in rows)

@@ -661,13 +661,16 @@ def bench_serve(
     prompt_tokens: int = typer.Option(1000, help="Tokens per prompt (different stretches of the essays)."),
     max_tokens: int = typer.Option(64, help="max_tokens of every request."),
     workload: str = typer.Option(
-        "prompts", help="prompts (different texts), documents (--documents x --questions each, concurrent) or "
-                        "chat (one conversation per document, its questions in turns)."),
+        "prompts", help="prompts (different texts), documents (--documents x --questions each, concurrent), "
+                        "chat (one conversation per document, its questions in turns) or mixed (short prompts "
+                        "streaming while every fourth request brings --prompt-tokens)."),
     documents: int = typer.Option(4, help="documents and chat: the documents (NIAH haystacks of --prompt-tokens)."),
     questions: int = typer.Option(8, help="documents and chat: questions per document (its needles, 1 to 8)."),
     prefix_cache: str = typer.Option(
         "0", help="Comma-separated --prefix-cache-memory sizes, each run in turn (0: none), e.g. 0,32MB."),
     evict_every: int = typer.Option(1, help=BENCH_EVICT_HELP),
+    prefill_chunk: str = typer.Option("0", help="Comma-separated --prefill-chunk sizes, each run in turn (0: whole), "
+                                      "e.g. 0,512."),
     out: Optional[Path] = typer.Option(None, help="Write the rows as JSON to this file."),
 ):
     """Requests/s, tokens/s, latency and time to first token of a server per method, same KV memory."""
@@ -680,6 +683,10 @@ def bench_serve(
     if not 1 <= questions <= 8:
         raise D2OError(f"questions={questions} must be from 1 to 8 (the built-in needles)")
     prefix_sizes = tuple(memory_or_none(size) for size in split_list(prefix_cache))
+    chunks = distinct(split_list(prefill_chunk, int), "prefill-chunk sizes")
+    if not chunks or min(chunks) < 0:
+        raise D2OError(f"--prefill-chunk {prefill_chunk!r}: chunk sizes >= 1, or 0 for a prefill whole")
+    chunks = tuple(chunk or None for chunk in chunks)
     if any(size >= cap for size in prefix_sizes):
         raise D2OError(f"a --prefix-cache size is part of --kv-memory ({cap:,} bytes) and must be smaller")
     if not names:
@@ -698,14 +705,15 @@ def bench_serve(
 
     net, tokenizer = load(model)
     check_length(net, prompt_tokens, max_tokens)  # else every request is refused, and the table is NaN
-    for name, (method, method_budget) in zip(names, chosen):
+    for (name, (method, method_budget)), chunk in [(named, chunk) for named in zip(names, chosen) for chunk in chunks]:
         need = plan(net.config, method, method_budget, prompt_tokens, max_tokens,
-                    next(net.parameters()).element_size(), evict_every=evict_every).peak_bytes
+                    next(net.parameters()).element_size(), evict_every=evict_every, prefill_chunk=chunk,
+                    question=bool(method.question_tokens)).peak_bytes
         if need > cap:
             raise D2OError(f"--kv-memory {kv_memory} holds not one {prompt_tokens} + {max_tokens}-token request "
-                           f"under {name} (it needs {need:,} bytes)")
+                           f"under {name}{f' in chunks of {chunk}' if chunk else ''} (it needs {need:,} bytes)")
     rows = run(net, tokenizer, [(name, budget) for name in names], cap, clients, requests, prompt_tokens, max_tokens,
-               min_tokens, workload, documents, questions, prefix_sizes, evict_every)
+               min_tokens, workload, documents, questions, prefix_sizes, evict_every, chunks)
     print(markdown(rows))
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -6,7 +6,7 @@ from d2o.errors import D2OError
 
 WARM_UP_TOKENS = 128  # the prompt run once per variant before a benchmark measures any
 FIT_MAX_BATCH = 256  # bench fit's default cap on rows (here, where the command line reads it without torch)
-SERVE_WORKLOADS = ("prompts", "documents", "chat")  # bench serve's (here too, for the same reason)
+SERVE_WORKLOADS = ("prompts", "documents", "chat", "mixed")  # bench serve's (here too, for the same reason)
 
 
 def check_fit_generate(generate: int) -> None:

@@ -4,8 +4,10 @@ For each method (and prefix cache size), a server (the engine and app of ``d2o s
 process) and ``clients`` concurrent streaming clients that take a workload's conversations in turn:
 ``prompts``, different stretches of the essays completed once each; ``documents``, several
 questions on each of a few documents (NIAH haystacks with several needles); ``chat``, one
-conversation per document, its questions asked in turns. Reports requests/s, tokens/s, latency and
-time to first token (p50/p95; of the follow-up requests apart), the prompt tokens found cached,
+conversation per document, its questions asked in turns; ``mixed``, short prompts streaming while
+long ones arrive (every fourth request). Reports requests/s, tokens/s, latency and time to first
+token (p50/p95; of the follow-up requests apart), the inter-token latency of the short requests
+(p50/p99: the gaps between a stream's tokens, which a long prefill stretches), the prompt tokens found cached,
 how many requests ran at once, the KV bytes held at most, and the answers' score (the needles'
 facts recalled).
 """
@@ -29,6 +31,8 @@ from d2o.serve.app import create_app, serving
 from d2o.serve.config import ServeConfig
 from d2o.serve.engine import Engine
 
+SHORT_PROMPT = 64  # tokens of a mixed workload's short prompts
+
 
 @dataclass
 class Conversation:
@@ -40,6 +44,7 @@ class Conversation:
     golds: list[str]
     follow_up: bool = False  # its first request reuses a document another request asked first
     chat: bool = False  # turns accumulate (the next turn holds the earlier questions and answers)
+    long: bool = False  # mixed: a long prompt among short ones (its token gaps are not counted)
     method: str = ""
     budget: str = ""
 
@@ -60,7 +65,7 @@ async def _client(http: httpx.AsyncClient, url: str, queue: list[Conversation], 
             body |= {"max_tokens": max_tokens, "temperature": 0, "stream": True,
                      "stream_options": {"include_usage": True},
                      "kv_method": conversation.method, "kv_budget": conversation.budget}
-            start, first, text, usage = time.perf_counter(), None, "", {}
+            start, arrivals, text, usage = time.perf_counter(), [], "", {}
             async with http.stream("POST", url + path, json=body) as reply:
                 if reply.status_code != 200:
                     records.append({"status": reply.status_code})
@@ -71,13 +76,15 @@ async def _client(http: httpx.AsyncClient, url: str, queue: list[Conversation], 
                     event = json.loads(line[6:])
                     choice = event["choices"][0] if event.get("choices") else {}
                     piece = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
-                    if piece and first is None:
-                        first = time.perf_counter()
+                    if piece:
+                        arrivals.append(time.perf_counter())
                     text += piece
                     usage = event.get("usage") or usage
             end = time.perf_counter()
             cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-            records.append({"status": 200, "latency": end - start, "ttft": (first or end) - start,
+            gaps = [] if conversation.long else [b - a for a, b in zip(arrivals, arrivals[1:])]
+            records.append({"status": 200, "latency": end - start, "ttft": (arrivals[0] if arrivals else end) - start,
+                            "gaps": gaps,
                             "tokens": usage.get("completion_tokens", 0), "cached": cached,
                             "follow_up": conversation.follow_up or turn > 0,
                             "score": None if gold is None else fact_recall(text, gold)})
@@ -119,9 +126,14 @@ def workload(tokenizer, kind: str, requests: int, prompt_tokens: int, documents:
     ``documents`` haystacks of ``prompt_tokens`` with ``questions`` needles each (NIAH's), every
     needle asked in a request of its own (a system message holds the document): all first
     questions are sent before any follow-up. ``chat``: one conversation per document, its needles
-    asked in turns, each turn after the answers so far."""
+    asked in turns, each turn after the answers so far. ``mixed``: ``requests`` essay stretches,
+    every fourth of ``prompt_tokens``, the others of ``SHORT_PROMPT`` tokens."""
     if kind == "prompts":
         return [Conversation(p, [""], [None]) for p in reversed(serve_prompts(tokenizer, requests, prompt_tokens))]
+    if kind == "mixed":
+        long, short = serve_prompts(tokenizer, requests, prompt_tokens), serve_prompts(tokenizer, requests, SHORT_PROMPT)
+        return list(reversed([Conversation(long[i], [""], [None], long=True) if i % 4 == 3 else
+                              Conversation(short[i], [""], [None]) for i in range(requests)]))
     from d2o.eval.tasks import get_task
 
     samples = get_task("niah", needles=questions, lengths=(prompt_tokens,)).samples(tokenizer, documents, 0)
@@ -141,17 +153,19 @@ def workload(tokenizer, kind: str, requests: int, prompt_tokens: int, documents:
 def bench_serve(model, tokenizer, methods: list[tuple[str, str]], kv_memory: int, clients: int = 8,
                 requests: int = 16, prompt_tokens: int = 1000, max_tokens: int = 64,
                 min_tokens: int | None = None, kind: str = "prompts", documents: int = 4, questions: int = 8,
-                prefix_cache: tuple[int, ...] = (0,), evict_every: int = 1) -> list[dict]:
-    """One row per (method, budget, prefix cache bytes): throughput, latency, memory and (documents,
-    chat) the answers' score under ``kv_memory``; the servers evict in batches of ``evict_every`` steps."""
+                prefix_cache: tuple[int, ...] = (0,), evict_every: int = 1,
+                prefill_chunks: tuple[int | None, ...] = (None,)) -> list[dict]:
+    """One row per (method, budget, prefix cache bytes, prefill chunk): throughput, latency, memory
+    and (documents, chat) the answers' score under ``kv_memory``; the servers evict in batches of
+    ``evict_every`` steps and prefill whole (None) or in chunks of each of ``prefill_chunks``."""
     conversations = workload(tokenizer, kind, requests, prompt_tokens, documents, questions)
     generate(model, tokenizer, "Hello", "full", 1.0, max_new_tokens=2)  # warm up, outside the timings
     rows = []
     for method, budget in methods:
-        for prefix_bytes in prefix_cache:
+        for prefix_bytes, chunk in [(size, chunk) for size in prefix_cache for chunk in prefill_chunks]:
             config = ServeConfig(method=method, budget=budget, min_tokens=min_tokens, kv_memory=kv_memory,
                                  max_queue=max(requests, len(conversations) * questions),
-                                 prefix_cache_memory=prefix_bytes, evict_every=evict_every)
+                                 prefix_cache_memory=prefix_bytes, evict_every=evict_every, prefill_chunk=chunk)
             engine = Engine(model, tokenizer, config)
             queue = [replace(c, method=method, budget=budget) for c in conversations]
             try:
@@ -160,20 +174,21 @@ def bench_serve(model, tokenizer, methods: list[tuple[str, str]], kv_memory: int
                     metrics = httpx.get(url + "/metrics").text
             finally:
                 engine.close()
-            rows.append(row(method, budget, prefix_bytes, kv_memory, clients, records, seconds, metrics))
+            rows.append(row(method, budget, prefix_bytes, chunk, kv_memory, clients, records, seconds, metrics))
     return rows
 
 
-def row(method: str, budget: str, prefix_bytes: int, kv_memory: int, clients: int, records: list[dict],
-        seconds: float, metrics: str) -> dict:
+def row(method: str, budget: str, prefix_bytes: int, chunk: int | None, kv_memory: int, clients: int,
+        records: list[dict], seconds: float, metrics: str) -> dict:
     done = [r for r in records if r["status"] == 200]
     latency, ttft = [r["latency"] for r in done], [r["ttft"] for r in done]
     follow_ups = [r["ttft"] for r in done if r["follow_up"]]
     scores = [r["score"] for r in done if r["score"] is not None]
     tokens = sum(r["tokens"] for r in done)
+    gaps = [gap for r in done for gap in r["gaps"]]
     return {
         "method": method, "budget": budget if method != "full" else "1",
-        "prefix_cache_mb": round(prefix_bytes / 1e6), "kv_memory_mb": round(kv_memory / 1e6), "clients": clients,
+        "prefix_cache_mb": round(prefix_bytes / 1e6), "prefill_chunk": chunk or "whole", "kv_memory_mb": round(kv_memory / 1e6), "clients": clients,
         "requests": len(records), "answered": len(done), "fit_at_once": int(_metric(metrics, "d2o_kv_fit_requests{")),
         "peak_running": int(_metric(metrics, "d2o_requests_running_peak")),
         "requests_per_s": round(len(done) / seconds, 3), "tokens_per_s": round(tokens / seconds, 2),
@@ -181,6 +196,7 @@ def row(method: str, budget: str, prefix_bytes: int, kv_memory: int, clients: in
         "ttft_p50_s": round(_quantile(ttft, 0.5), 2), "ttft_p95_s": round(_quantile(ttft, 0.95), 2),
         "ttft_follow_up_p50_s": round(_quantile(follow_ups, 0.5), 2),
         "ttft_follow_up_p95_s": round(_quantile(follow_ups, 0.95), 2),
+        "itl_p50_ms": round(1000 * _quantile(gaps, 0.5), 1), "itl_p99_ms": round(1000 * _quantile(gaps, 0.99), 1),
         "cached_tokens": sum(r["cached"] for r in done),
         "score": round(statistics.fmean(scores), 3) if scores else None,
         "kv_peak_mb": round(_metric(metrics, "d2o_kv_bytes_peak") / 1e6, 1),
