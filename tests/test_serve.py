@@ -731,3 +731,23 @@ def test_bench_serve_mixed_times_the_short_streams_gaps_beside_servers_prefillin
                        prompt_tokens=300, max_tokens=6, kind="mixed", prefill_chunks=(None, 64))
     assert [(row["prefill_chunk"], row["answered"]) for row in rows] == [("whole", 8), (64, 8)]
     assert all(0 < row["itl_p50_ms"] <= row["itl_p99_ms"] for row in rows)
+
+
+def test_metrics_parse_as_prometheus_text_with_a_histogram_per_request_timing(real_model):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    model, tokenizer = real_model
+    with serving(model, tokenizer, kv_memory=parse_bytes("64MB")) as (url, _):
+        answers = [client(url).completions.create(model="smollm2", prompt=prompt, max_tokens=5, temperature=0,
+                                                  extra_body={"kv_method": "h2o"}) for prompt in ("One", "Two")]
+        text = httpx.get(url + "/metrics").text
+    families = {family.name: family for family in text_string_to_metric_families(text)}
+    assert families["d2o_requests"].type == "counter" and families["d2o_kv_bytes_cap"].type == "gauge"
+    counts = {family: {sample.name: sample.value for sample in families[family].samples
+                       if sample.name.endswith("_count") and sample.labels == {"budget": "0.2", "method": "h2o"}}
+              for family in ("d2o_time_to_first_token_seconds", "d2o_inter_token_latency_seconds",
+                             "d2o_request_latency_seconds")}
+    tokens = sum(answer.usage.completion_tokens for answer in answers)
+    assert counts == {"d2o_time_to_first_token_seconds": {"d2o_time_to_first_token_seconds_count": 2},
+                      "d2o_inter_token_latency_seconds": {"d2o_inter_token_latency_seconds_count": tokens - 2},
+                      "d2o_request_latency_seconds": {"d2o_request_latency_seconds_count": 2}}

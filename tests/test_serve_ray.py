@@ -69,4 +69,6 @@ def test_both_replicas_answer_through_the_proxy_as_generate_would(proxy, real_mo
     assert events[-1].choices[0].finish_reason in ("stop", "length")
     reply = httpx.post(proxy + "/v1/completions", json={"model": "smollm2", "prompt": "hi", "kv_budget": 7})
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "kv_budget"
-    assert "d2o_kv_bytes_cap 64000000" in httpx.get(proxy + "/metrics").text
+    metrics = dict(line.rsplit(" ", 1) for line in httpx.get(proxy + "/metrics").text.splitlines()
+                   if not line.startswith("#"))
+    assert float(metrics["d2o_kv_bytes_cap"]) == 64e6

@@ -17,7 +17,8 @@ import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from d2o.serve.engine import Engine, Job
@@ -85,7 +86,7 @@ def create_app(engine: Engine) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(render(engine.metrics()), media_type="text/plain; version=0.0.4")
+        return Response(render(engine.metrics(), engine.stats), media_type=CONTENT_TYPE_LATEST)
 
     return app
 

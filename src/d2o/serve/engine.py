@@ -19,6 +19,7 @@ beyond the queue, HTTP 503. A request that could not fit even alone is refused a
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from collections import deque
 
@@ -330,8 +331,7 @@ class Engine:
                 self._settle(lane.jobs.pop(id(sequence)), None, "finished")
             new_tokens = 0
             for job in lane.rows():
-                new_tokens += len(job.sequence.tokens) - job.counted
-                job.counted = len(job.sequence.tokens)
+                new_tokens += self._count(job)
                 if job.stream:
                     self._stream(job)
             with self._lock:
@@ -351,6 +351,15 @@ class Engine:
             job.emit("delta", text[len(job.sent):])
             job.sent = text
 
+    def _count(self, job: Job) -> int:
+        """The job's tokens made since it was last counted, timed into its histograms."""
+        new = len(job.sequence.tokens) - job.counted
+        if new:
+            now = time.monotonic()
+            self.stats.tokens_made(job.key, job.arrived, job.last_token_at, new, now)
+            job.counted, job.last_token_at = job.counted + new, now
+        return new
+
     def _settle(self, job: Job, error: APIError | None, outcome: str) -> None:
         """A job leaves: finished (its result), failed (its error) or cancelled (nobody listens)."""
         with self._lock:
@@ -358,9 +367,8 @@ class Engine:
                 self._admitted.remove(job)
             self.stats.requests[(*job.key, outcome)] += 1
             if outcome == "finished":
-                new = len(job.sequence.tokens) - job.counted
-                job.counted += new
-                self.stats.generated(new)
+                self.stats.generated(self._count(job))
+                self.stats.finished(job.key, job.arrived, time.monotonic())
         if error is not None:
             job.emit("error", error)
         elif outcome == "finished":

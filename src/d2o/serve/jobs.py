@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +45,8 @@ class Job:
         self.boundary: int | None = None  # its earlier turns' length, where its prefix may be cached
         self.cached_tokens = 0  # of its prompt, found compressed in the prefix cache
         self.prefilling = None  # its prefill in chunks under way (``Batch.prefill_steps``), between rounds
+        self.arrived = time.monotonic()
+        self.last_token_at: float | None = None  # when its latest token was counted
 
     def emit(self, kind: str, payload=None) -> None:
         try:

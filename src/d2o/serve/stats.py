@@ -1,12 +1,20 @@
-"""What ``/metrics`` shows, in the Prometheus text format: counters the engine keeps, gauges it
-reads at the time of the scrape."""
+"""What ``/metrics`` shows, in the Prometheus text format (``prometheus_client``): counters the
+engine keeps and gauges it reads at the time of the scrape, and histograms of each request's time
+to first token, inter-token latency and latency, by method and budget (as vLLM exposes them)."""
 
 from __future__ import annotations
 
 import time
 from collections import Counter, deque
 
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
 WINDOW = 10.0  # seconds over which tokens/s is measured
+# Seconds: from a decode step's milliseconds (inter-token) to a long prompt's prefill under a queue.
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+INTER_TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 
 
 class Stats:
@@ -19,6 +27,30 @@ class Stats:
         self.prompt_tokens = self.generated_tokens = 0
         self.kv_bytes = self.kv_bytes_peak = self.waiting_peak = 0
         self._recent: deque = deque()  # (time, tokens) of the last WINDOW seconds
+        self.registry = CollectorRegistry(auto_describe=False)  # this engine's own (a process may hold several)
+        labels = ("budget", "method")
+        self.ttft = Histogram("d2o_time_to_first_token_seconds", "From a request's arrival to its first token.",
+                              labels, buckets=TTFT_BUCKETS, registry=self.registry)
+        self.inter_token = Histogram("d2o_inter_token_latency_seconds", "Between a request's consecutive tokens.",
+                                     labels, buckets=INTER_TOKEN_BUCKETS, registry=self.registry)
+        self.latency = Histogram("d2o_request_latency_seconds", "From a request's arrival to its last token.",
+                                 labels, buckets=LATENCY_BUCKETS, registry=self.registry)
+
+    def tokens_made(self, key: tuple, arrived: float, previous: float | None, tokens: int, now: float) -> None:
+        """``tokens`` (>= 1) new tokens of a request of ``key`` (method, budget) at ``now``: its first
+        if it had none before (``previous`` None), the gap since its previous otherwise (shared by the
+        tokens, should a step bring more than one)."""
+        method, budget = key
+        if previous is None:
+            self.ttft.labels(budget, method).observe(now - arrived)
+            tokens -= 1
+            previous = now
+        for _ in range(tokens):
+            self.inter_token.labels(budget, method).observe((now - previous) / max(tokens, 1))
+
+    def finished(self, key: tuple, arrived: float, now: float) -> None:
+        method, budget = key
+        self.latency.labels(budget, method).observe(now - arrived)
 
     def admitted(self, key: tuple, prompt_tokens: int, max_tokens: int) -> None:
         shape = self.shapes.setdefault(key, [0, 0, 0])
@@ -68,18 +100,27 @@ HELP = {
 }
 
 
-def render(values: dict[str, object]) -> str:
-    """Prometheus text: ``values`` maps a metric name to a number or to {labels tuple: number},
-    labels as ((name, value), ...)."""
-    lines = []
-    for name, (kind, text) in HELP.items():
-        value = values.get(name)
-        if value is None:
-            continue
-        lines += [f"# HELP d2o_{name} {text}", f"# TYPE d2o_{name} {kind}"]
-        samples = value.items() if isinstance(value, dict) else [((), value)]
-        for labels, number in sorted(samples):
-            tags = ",".join(f'{key}="{val}"' for key, val in labels)
-            text = str(number) if isinstance(number, int) else f"{number:.6g}"
-            lines.append(f"d2o_{name}{{{tags}}} {text}" if tags else f"d2o_{name} {text}")
-    return "\n".join(lines) + "\n"
+class _Scraped:
+    """``values`` as metric families, for ``generate_latest``."""
+
+    def __init__(self, values: dict[str, object]):
+        self.values = values
+
+    def collect(self):
+        for name, (kind, text) in HELP.items():
+            value = self.values.get(name)
+            if value is None:
+                continue
+            samples = sorted(value.items()) if isinstance(value, dict) else [((), value)]
+            names = [key for key, _ in samples[0][0]] if samples else []
+            family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(f"d2o_{name}", text,
+                                                                                      labels=names)
+            for labels, number in samples:
+                family.add_metric([str(val) for _, val in labels], number)
+            yield family
+
+
+def render(values: dict[str, object], stats: Stats) -> bytes:
+    """Prometheus text: ``values`` maps a metric name of ``HELP`` to a number or to {labels: number},
+    labels as ((name, value), ...); the histograms of ``stats`` after them."""
+    return generate_latest(_Scraped(values)) + generate_latest(stats.registry)
