@@ -14,11 +14,11 @@ C="--prefill-chunk 1024"
 # The README's methods: d2o-plus-words with the question in the prompt (shown after every chunk), d2o-novelty.
 $D2O eval $P $B --methods full,d2o-plus-words,d2o-novelty --out "$OUT/passkey-8192-whole"
 $D2O eval $P $B --methods d2o-plus-words,d2o-novelty $C --out "$OUT/passkey-8192-chunk1024"
-# The question not shown after each chunk (only the last chunk holds it).
-$D2O eval $P $B --methods d2o-plus-words $C --question-blind --out "$OUT/passkey-8192-chunk1024-blind"
 # The question fed after the context is compressed.
 $D2O eval $P $B --protocol context --methods full,d2o-novelty --out "$OUT/passkey-8192-context-whole"
 $D2O eval $P $B --protocol context --methods d2o-novelty $C --out "$OUT/passkey-8192-context-chunk1024"
+# The question not shown after each chunk (only the last chunk holds it).
+$D2O eval $P $B --methods d2o-plus-words $C --question-blind --out "$OUT/passkey-8192-chunk1024-blind"
 # The other methods that evict, chunked at 0.1, beside their committed rows prefilled whole
 # (docs/results/gemma3-270m/passkey-8192).
 $D2O eval $P --budgets 0.1 --methods h2o,snapkv,pyramidkv,d2o $C --out "$OUT/passkey-8192-chunk1024-others"
