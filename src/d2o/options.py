@@ -93,6 +93,13 @@ def distinct(items: tuple, what: str) -> tuple:
 KV_BITS = (8, 4, 2)  # the bit widths a cache stores keys and values at (engine/quantization)
 
 
+def check_prefill_chunk(chunk) -> int | None:
+    """``prefill_chunk``/``--prefill-chunk``: a whole number of tokens >= 1, or None for a prefill whole."""
+    if chunk is not None and (not whole(chunk) or chunk < 1):
+        raise D2OError(f"prefill_chunk={chunk!r} must be a whole number of tokens >= 1 (or None: whole)")
+    return chunk
+
+
 def check_kv_bits(bits) -> int | None:
     """``kv_bits``/``--kv-bits``: 8, 4 or 2, or None (also "none") for the model's own dtype."""
     if bits is None or (isinstance(bits, str) and bits.strip().lower() == "none"):

@@ -26,7 +26,7 @@ from d2o.engine.slots import named
 from d2o.engine.stats import token_surprisal
 from d2o.engine.storage import CompressedLayer
 from d2o.errors import D2OError
-from d2o.options import whole
+from d2o.options import check_prefill_chunk
 
 
 class CompressedCache(Cache):
@@ -58,9 +58,7 @@ class CompressedCache(Cache):
         if isinstance(policy, str):
             raise D2OError(f"CompressedCache takes a method object, not the name {policy!r}: "
                            f"d2o.get_method({policy!r}) builds one")
-        if prefill_chunk is not None and (not whole(prefill_chunk) or prefill_chunk < 1):
-            raise D2OError(f"prefill_chunk={prefill_chunk!r} must be a whole number of tokens >= 1 (or None: whole)")
-        self.prefill_chunk = prefill_chunk
+        self.prefill_chunk = check_prefill_chunk(prefill_chunk)
         self._setup(ModelFacts(model.get_decoder(), model.config.get_text_config(), tokenizer), policy, budget,
                     observe, evict_every, kv_bits)
 

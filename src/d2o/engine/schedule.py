@@ -11,18 +11,17 @@ slots over are emptied where they are, every layer's merged in one call: the nex
 A prompt prefilled in chunks (``prefill``) is compressed after every chunk to the whole prompt's
 budget, allocated anew after each chunk (its total from the whole prompt's length, its shares from
 the statistics the layers hold then: the last chunk's allocation stays); every method compresses
-then, those that compress once included,
-after its probe passes for that chunk (KVzip's) and, for a method that scores with the question,
-a pass of the question (``QUESTION``), so that no chunk is compressed without it.
+then, those that compress once included, after its probe passes for that chunk (KVzip's) and, for a
+method that scores with the question, a pass of the question (``QUESTION``), so that no chunk is
+compressed without it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
-
-from dataclasses import dataclass
 
 from d2o.budget import UNLIMITED
 from d2o.engine.api import Evicted, ProbePass

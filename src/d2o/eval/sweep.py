@@ -15,7 +15,7 @@ from d2o.budget import MIN_TOKENS, Budget, parse_budgets
 from d2o.errors import D2OError
 from d2o.eval.tasks import get_task
 from d2o.eval.tasks.base import Task
-from d2o.options import check_kv_bits, distinct, whole
+from d2o.options import check_kv_bits, check_prefill_chunk, distinct
 
 FULL = "full"
 
@@ -71,8 +71,7 @@ def check_config(config: EvalConfig) -> tuple[Task, list[Budget]]:
         raise D2OError(f"limit must be at least 1, got {config.limit}")
     if config.evict_every < 1:
         raise D2OError(f"evict_every must be at least 1, got {config.evict_every}")
-    if config.prefill_chunk is not None and (not whole(config.prefill_chunk) or config.prefill_chunk < 1):
-        raise D2OError(f"prefill_chunk must be a whole number of tokens >= 1, got {config.prefill_chunk!r}")
+    check_prefill_chunk(config.prefill_chunk)
     if not config.question_aware and config.prefill_chunk is None:
         raise D2OError("question-blind goes with a prefill in chunks: a prompt prefilled whole holds its question")
     if config.ray is not None and config.workers < 1:

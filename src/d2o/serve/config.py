@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from d2o.budget import EVICT_EVERY, Budget
 from d2o.errors import D2OError
-from d2o.options import check_kv_bits
+from d2o.options import check_kv_bits, check_prefill_chunk
 
 @dataclass(frozen=True)
 class ServeConfig:
@@ -40,8 +40,7 @@ class ServeConfig:
         if self.evict_every < 1:
             raise D2OError(f"evict_every must be at least 1, got {self.evict_every}")
         check_kv_bits(self.kv_bits)
-        if self.prefill_chunk is not None and self.prefill_chunk < 1:
-            raise D2OError(f"prefill_chunk must be at least 1 token (or none: whole), got {self.prefill_chunk}")
+        check_prefill_chunk(self.prefill_chunk)
         if not 0 <= self.prefix_cache_memory < self.kv_memory:
             raise D2OError(f"--prefix-cache-memory ({self.prefix_cache_memory:,} bytes) is part of --kv-memory "
                            f"({self.kv_memory:,}): it must be >= 0 and leave room for the requests")
