@@ -131,7 +131,8 @@ def workload(tokenizer, kind: str, requests: int, prompt_tokens: int, documents:
     if kind == "prompts":
         return [Conversation(p, [""], [None]) for p in reversed(serve_prompts(tokenizer, requests, prompt_tokens))]
     if kind == "mixed":
-        long, short = serve_prompts(tokenizer, requests, prompt_tokens), serve_prompts(tokenizer, requests, SHORT_PROMPT)
+        long = serve_prompts(tokenizer, requests, prompt_tokens)
+        short = serve_prompts(tokenizer, requests, SHORT_PROMPT)
         return list(reversed([Conversation(long[i], [""], [None], long=True) if i % 4 == 3 else
                               Conversation(short[i], [""], [None]) for i in range(requests)]))
     from d2o.eval.tasks import get_task
@@ -188,7 +189,8 @@ def row(method: str, budget: str, prefix_bytes: int, chunk: int | None, kv_memor
     gaps = [gap for r in done for gap in r["gaps"]]
     return {
         "method": method, "budget": budget if method != "full" else "1",
-        "prefix_cache_mb": round(prefix_bytes / 1e6), "prefill_chunk": chunk or "whole", "kv_memory_mb": round(kv_memory / 1e6), "clients": clients,
+        "prefix_cache_mb": round(prefix_bytes / 1e6), "prefill_chunk": chunk or "whole",
+        "kv_memory_mb": round(kv_memory / 1e6), "clients": clients,
         "requests": len(records), "answered": len(done), "fit_at_once": int(_metric(metrics, "d2o_kv_fit_requests{")),
         "peak_running": int(_metric(metrics, "d2o_requests_running_peak")),
         "requests_per_s": round(len(done) / seconds, 3), "tokens_per_s": round(tokens / seconds, 2),

@@ -3,9 +3,10 @@
 One thread does all model work, in rounds: prefill the next admitted request into a cache of its
 own (``Batch.prefill``; with ``prefill_chunk``, one chunk of it per round, so that a long prompt
 holds the running requests up by a chunk at a time, not by its whole prefill), let it join a
-running batch of its method and budget (a *lane*) once prefilled, then step every lane once. A request's row leaves its batch when it finishes or is cancelled, and its
-cache rows go with it. Requests of different methods or budgets never share a batch (their caches
-cannot); requests of the same key may run in more than one lane, when joining would not fit.
+running batch of its method and budget (a *lane*) once prefilled, then step every lane once. A
+request's row leaves its batch when it finishes or is cancelled, and its cache rows go with it.
+Requests of different methods or budgets never share a batch (their caches cannot); requests of the
+same key may run in more than one lane, when joining would not fit.
 
 Admission: a request is admitted when everything already admitted, at most, plus this request's
 prefill and its budgeted cache fit under the cap. A lane is reserved at ``padded_bytes``: its rows
