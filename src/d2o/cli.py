@@ -720,6 +720,43 @@ def bench_serve(
         out.write_text(json.dumps(rows, indent=1) + "\n")
 
 
+@bench_app.command("soak")
+def bench_soak(
+    model: str = typer.Option("smollm2", help=MODEL_HELP),
+    requests: int = typer.Option(500, help="Requests in all: chats, streams, questions on documents, cancellations "
+                                           "and bad requests, drawn by --seed."),
+    clients: int = typer.Option(16, help="Concurrent clients."),
+    kv_memory: str = typer.Option("64MB", help="The server's KV memory cap: 512MB, 2GiB or bytes."),
+    prefix_cache_memory: str = typer.Option("16MB", help="Of --kv-memory, for kept compressed documents."),
+    prefill_chunk: int = typer.Option(256, help="The server prefills prompts this many tokens at a time (0: whole)."),
+    max_tokens: int = typer.Option(8, help="max_tokens of every answered request."),
+    seed: int = typer.Option(0, help="Draws the requests."),
+    timeout: float = typer.Option(300.0, help="Seconds a request may take before it counts as hung."),
+    out: Optional[Path] = typer.Option(None, help="Write the report as JSON to this file."),
+):
+    """A live server under many mixed requests: no 5xx, no hang, KV bytes never above the cap, idle
+    again at the end, every greedy answer the library's. Exit code 1 when a check fails."""
+    cap, kept = parse_bytes(kv_memory), memory_or_none(prefix_cache_memory)
+    if min(requests, clients, max_tokens) < 1 or prefill_chunk < 0 or not timeout > 0:
+        raise D2OError("requests, clients and max-tokens must be at least 1, prefill-chunk >= 0, timeout > 0")
+    if kept >= cap:
+        raise D2OError(f"--prefix-cache-memory is part of --kv-memory ({cap:,} bytes) and must be smaller")
+    if out is not None:
+        check_out(out, folder=False)
+
+    from d2o.bench.soak import soak
+
+    net, tokenizer = load(model)
+    report = soak(net, tokenizer, model, requests, clients, cap, kept, prefill_chunk or None, max_tokens, seed,
+                  timeout)
+    print(json.dumps(report, indent=1))
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=1) + "\n")
+    if not report["ok"]:
+        raise typer.Exit(1)
+
+
 def kv_bits_list(text: str) -> tuple[int | None, ...]:
     """A bench's comma-separated ``--kv-bits`` (none: the model's dtype), each given once."""
     return distinct(tuple(check_kv_bits(bits) for bits in split_list(text)), "kv-bits values")

@@ -1,0 +1,54 @@
+"""The soak test, short: 40 mixed requests against a live server (`d2o bench soak` runs 500)."""
+
+from __future__ import annotations
+
+import pytest
+
+from d2o.bench.soak import BAD, KINDS, requests_of, soak
+from d2o.cli import main
+
+pytestmark = pytest.mark.real_model
+
+
+def test_forty_mixed_requests_leave_no_error_no_hang_and_the_library_answers(real_model):
+    model, tokenizer = real_model
+    report = soak(model, tokenizer, "smollm2", requests=40, clients=8, kv_memory=64_000_000,
+                  prefix_cache_memory=16_000_000, prefill_chunk=256, max_tokens=8, seed=0, timeout=120)
+    assert set(report["kinds"]) == set(KINDS)  # every kind was sent
+    assert report["server_errors"] == 0 and report["hung"] == 0 and report["unexpected_status"] == 0, report
+    assert report["answers_compared"] >= 20 and report["answers_different"] == 0, report["examples_different"]
+    assert report["kv_bytes_peak"] <= report["kv_memory"]
+    # Idle again: only the kept documents remain, counted under the cap, and reused while the soak ran.
+    assert report["idle_at_end"] and report["kv_bytes_end"] == report["prefix_cache_bytes_end"] > 0
+    assert report["prefix_cache_hits"] >= 1
+    cancelled = report["kinds"]["cancel"]
+    assert report["requests_cancelled"] >= cancelled - report["statuses"].get("200", 0)  # none answered in time
+    assert report["requests_finished"] + report["requests_cancelled"] == 40 - report["kinds"]["bad"]
+    assert report["ok"]
+
+
+def test_the_requests_drawn_are_the_seeds_and_mix_every_kind(real_model):
+    _, tokenizer = real_model
+    first, again, other = (requests_of(tokenizer, "smollm2", 200, seed, 8) for seed in (0, 0, 1))
+    assert [(r.kind, r.body) for r in first] == [(r.kind, r.body) for r in again]
+    assert [(r.kind, r.body) for r in first] != [(r.kind, r.body) for r in other]
+    assert {r.kind for r in first} == set(KINDS)
+    bad = [r for r in first if r.kind == "bad"]
+    assert bad and all(r.status in (400, 404) and r.expected is None for r in bad)
+    assert all(isinstance(r.body, bytes) or r.body["model"] == ("gpt-9" if r.status == 404 else "smollm2")
+               for r in bad)
+    assert len({str(body) for body, _ in BAD}) == len(BAD)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--requests", "0"], "requests, clients and max-tokens must be at least 1"),
+    (["--prefix-cache-memory", "64MB", "--kv-memory", "64MB"], "must be smaller"),
+    (["--kv-memory", "lots"], "lots"),
+])
+def test_bad_soak_options_are_one_line_and_exit_code_2(monkeypatch, capsys, args, message):
+    monkeypatch.setattr("sys.argv", ["d2o", "bench", "soak", *args])
+    with pytest.raises(SystemExit) as raised:
+        main()
+    assert raised.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
