@@ -21,9 +21,9 @@ def test_forty_mixed_requests_leave_no_error_no_hang_and_the_library_answers(rea
     # Idle again: only the kept documents remain, counted under the cap, and reused while the soak ran.
     assert report["idle_at_end"] and report["kv_bytes_end"] == report["prefix_cache_bytes_end"] > 0
     assert report["prefix_cache_hits"] >= 1
-    cancelled = report["kinds"]["cancel"]
-    assert report["requests_cancelled"] >= cancelled - report["statuses"].get("200", 0)  # none answered in time
-    assert report["requests_finished"] + report["requests_cancelled"] == 40 - report["kinds"]["bad"]
+    # Every client that left (mid-stream, or tired of waiting for 200 tokens) was seen to leave.
+    assert report["requests_cancelled"] == report["kinds"]["cancel"]
+    assert report["requests_finished"] == 40 - report["kinds"]["bad"] - report["kinds"]["cancel"]
     assert report["ok"]
 
 
