@@ -1,4 +1,4 @@
-"""The soak test, short: 40 mixed requests against a live server (`d2o bench soak` runs 500)."""
+"""The soak test, short: 24 mixed requests against a live server (`d2o bench soak` runs 500)."""
 
 from __future__ import annotations
 
@@ -10,20 +10,20 @@ from d2o.cli import main
 pytestmark = pytest.mark.real_model
 
 
-def test_forty_mixed_requests_leave_no_error_no_hang_and_the_library_answers(real_model):
+def test_twenty_four_mixed_requests_leave_no_error_no_hang_and_the_library_answers(real_model):
     model, tokenizer = real_model
-    report = soak(model, tokenizer, "smollm2", requests=40, clients=8, kv_memory=64_000_000,
+    report = soak(model, tokenizer, "smollm2", requests=24, clients=8, kv_memory=64_000_000,
                   prefix_cache_memory=16_000_000, prefill_chunk=256, max_tokens=8, seed=0, timeout=120)
     assert set(report["kinds"]) == set(KINDS)  # every kind was sent
     assert report["server_errors"] == 0 and report["hung"] == 0 and report["unexpected_status"] == 0, report
-    assert report["answers_compared"] >= 20 and report["answers_different"] == 0, report["examples_different"]
+    assert report["answers_compared"] >= 12 and report["answers_different"] == 0, report["examples_different"]
     assert report["kv_bytes_peak"] <= report["kv_memory"]
     # Idle again: only the kept documents remain, counted under the cap, and reused while the soak ran.
     assert report["idle_at_end"] and report["kv_bytes_end"] == report["prefix_cache_bytes_end"] > 0
     assert report["prefix_cache_hits"] >= 1
     # Every client that left (mid-stream, or tired of waiting for 200 tokens) was seen to leave.
     assert report["requests_cancelled"] == report["kinds"]["cancel"]
-    assert report["requests_finished"] == 40 - report["kinds"]["bad"] - report["kinds"]["cancel"]
+    assert report["requests_finished"] == 24 - report["kinds"]["bad"] - report["kinds"]["cancel"]
     assert report["ok"]
 
 
