@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from d2o.bench.soak import BAD, KINDS, requests_of, soak
+from d2o.bench.soak import BAD, KINDS, requests_of, soak, soak_config
 from d2o.cli import main
 
 pytestmark = pytest.mark.real_model
@@ -12,8 +12,9 @@ pytestmark = pytest.mark.real_model
 
 def test_twenty_four_mixed_requests_leave_no_error_no_hang_and_the_library_answers(real_model):
     model, tokenizer = real_model
-    report = soak(model, tokenizer, "smollm2", requests=24, clients=8, kv_memory=64_000_000,
-                  prefix_cache_memory=16_000_000, prefill_chunk=256, max_tokens=8, seed=0, timeout=120)
+    config = soak_config("smollm2", requests=24, kv_memory=64_000_000, prefix_cache_memory=16_000_000,
+                         prefill_chunk=256)
+    report = soak(model, tokenizer, config, requests=24, clients=8, max_tokens=8, seed=0, timeout=120)
     assert set(report["kinds"]) == set(KINDS)  # every kind was sent
     assert report["server_errors"] == 0 and report["hung"] == 0 and report["unexpected_status"] == 0, report
     assert report["answers_compared"] >= 12 and report["answers_different"] == 0, report["examples_different"]
@@ -42,7 +43,7 @@ def test_the_requests_drawn_are_the_seeds_and_mix_every_kind(real_model):
 
 @pytest.mark.parametrize("args, message", [
     (["--requests", "0"], "requests, clients and max-tokens must be at least 1"),
-    (["--prefix-cache-memory", "64MB", "--kv-memory", "64MB"], "must be smaller"),
+    (["--prefix-cache-memory", "64MB", "--kv-memory", "64MB"], "must be >= 0 and leave room for the requests"),
     (["--kv-memory", "lots"], "lots"),
 ])
 def test_bad_soak_options_are_one_line_and_exit_code_2(monkeypatch, capsys, args, message):

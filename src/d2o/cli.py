@@ -736,19 +736,17 @@ def bench_soak(
 ):
     """A live server under many mixed requests: no 5xx, no hang, KV bytes never above the cap, idle
     again at the end, every greedy answer the library's. Exit code 1 when a check fails."""
-    cap, kept = parse_bytes(kv_memory), memory_or_none(prefix_cache_memory)
     if min(requests, clients, max_tokens) < 1 or prefill_chunk < 0 or not timeout > 0:
         raise D2OError("requests, clients and max-tokens must be at least 1, prefill-chunk >= 0, timeout > 0")
-    if kept >= cap:
-        raise D2OError(f"--prefix-cache-memory is part of --kv-memory ({cap:,} bytes) and must be smaller")
     if out is not None:
         check_out(out, folder=False)
 
-    from d2o.bench.soak import soak
+    from d2o.bench.soak import soak, soak_config
 
+    config = soak_config(model, requests, parse_bytes(kv_memory), memory_or_none(prefix_cache_memory),
+                         prefill_chunk or None)  # its options checked before the model loads
     net, tokenizer = load(model)
-    report = soak(net, tokenizer, model, requests, clients, cap, kept, prefill_chunk or None, max_tokens, seed,
-                  timeout)
+    report = soak(net, tokenizer, config, requests, clients, max_tokens, seed, timeout)
     print(json.dumps(report, indent=1))
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)

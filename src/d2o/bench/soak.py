@@ -196,12 +196,18 @@ def _resident_mb() -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3
 
 
-def soak(model, tokenizer, name: str, requests: int = 500, clients: int = 16, kv_memory: int = 64_000_000,
-         prefix_cache_memory: int = 16_000_000, prefill_chunk: int | None = 256, max_tokens: int = 8,
+def soak_config(name: str, requests: int = 500, kv_memory: int = 64_000_000, prefix_cache_memory: int = 16_000_000,
+                prefill_chunk: int | None = 256) -> ServeConfig:
+    """The soak's server (checked as ``d2o serve`` checks its options): room in its queue for every request."""
+    return ServeConfig(model=name, kv_memory=kv_memory, prefix_cache_memory=prefix_cache_memory,
+                       prefill_chunk=prefill_chunk, max_queue=max(requests, 64))
+
+
+def soak(model, tokenizer, config: ServeConfig, requests: int = 500, clients: int = 16, max_tokens: int = 8,
          seed: int = 0, timeout: float = 300.0, settle: float = 30.0) -> dict:
-    """Run the soak (see the module); returns its report, ``ok`` True when every check holds."""
-    config = ServeConfig(model=name, kv_memory=kv_memory, prefix_cache_memory=prefix_cache_memory,
-                         prefill_chunk=prefill_chunk, max_queue=max(requests, 64))
+    """Run the soak (see the module) against a server of ``config`` (``soak_config``); returns its
+    report, ``ok`` True when every check holds."""
+    kv_memory = config.kv_memory
     engine = Engine(model, tokenizer, config)
     try:
         made = requests_of(tokenizer, engine.name, requests, seed, max_tokens)
