@@ -720,6 +720,38 @@ def bench_serve(
         out.write_text(json.dumps(rows, indent=1) + "\n")
 
 
+@bench_app.command("ask")
+def bench_ask(
+    methods: str = typer.Option("d2o-novelty,kvzip,d2o,h2o", help=METHODS_HELP),
+    budget: str = typer.Option("0.2", help=BUDGET_HELP),
+    length: int = typer.Option(1500, help="Tokens of the document (NIAH's haystack)."),
+    questions: int = typer.Option(8, help="Needles in the document, each asked by a row of the batch (1-8)."),
+    max_tokens: int = typer.Option(16, help="Tokens generated per answer."),
+    min_tokens: Optional[int] = typer.Option(None, help=FLOOR_HELP),
+    model: str = MODEL, dtype: str = DTYPE, device: Optional[str] = DEVICE, out: Path = OUT,
+):
+    """KV bytes and decode time of many questions on one compressed document, answered as one batch:
+    its keys and values read in place by every row (shared) against copied into each."""
+    names, parsed = distinct(split_list(methods), "methods"), parse_budgets([budget], min_tokens)[0]
+    at_least_one(length=length, questions=questions, max_tokens=max_tokens)
+    if questions > 8:
+        raise D2OError(f"--questions {questions}: NIAH has 8 needles")
+    if "full" in names:
+        raise D2OError("--methods: 'full' compresses nothing; name methods that do")
+    check_device(device)
+    check_out(out)
+
+    from d2o.bench.ask import bench_ask as run
+    from d2o.bench.output import emit
+
+    net, tokenizer = bench_model(model, None, 0, dtype, device, names, parsed)
+    rows = run(net, tokenizer, list(names), parsed, length, questions, max_tokens)
+    setting = dict(model=model, dtype=dtype, budget=str(parsed), length=length, questions=questions,
+                   max_tokens=max_tokens)
+    emit(rows, f"{questions} questions on one compressed document of {length} tokens: {model}, budget "
+         f"{parsed.described}", "ask", out, setting)
+
+
 @bench_app.command("soak")
 def bench_soak(
     model: str = typer.Option("smollm2", help=MODEL_HELP),

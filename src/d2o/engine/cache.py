@@ -22,6 +22,7 @@ from d2o.engine.quantization import KVQuantization
 from d2o.engine.quantized import QuantizedLayer
 from d2o.engine.report import CacheReport, report_of
 from d2o.engine.schedule import Schedule
+from d2o.engine.shared import SharedPrefixLayer
 from d2o.engine.slots import named
 from d2o.engine.stats import token_surprisal
 from d2o.engine.storage import CompressedLayer
@@ -126,15 +127,19 @@ class CompressedCache(Cache):
         new.schedule.compress()
         return new
 
-    def copy(self) -> CompressedCache:
+    def copy(self, shared_prefix: bool = False) -> CompressedCache:
         """A cache in this one's state that goes on alone (another question on a compressed context):
         key/value tensors and token indices shared (neither writes them in place from now on), what
-        a policy accumulates into copied."""
+        a policy accumulates into copied. ``shared_prefix``: its layers read this one's keys and
+        values in place for good, as a read-only prefix (``shared.SharedPrefixLayer``; a layer that
+        cannot be one, quantized or of a batch, is copied as without), so that copies joined into one
+        batch hold them once."""
         new = copy.copy(self)
         new.prober = self.prober.copy()
         new.schedule = copy.copy(self.schedule)
         new.schedule.cache = new
-        new.layers = [layer.copy_for(new) for layer in self.layers]
+        new.layers = [SharedPrefixLayer.over(layer, new) if shared_prefix and SharedPrefixLayer.can_share(layer)
+                      else layer.copy_for(new) for layer in self.layers]
         new._make_views()
         return new
 
@@ -159,6 +164,10 @@ class CompressedCache(Cache):
             return "only caches of the same method and budget can share a batch"
         if other.quantization != self.quantization:
             return "only caches that store keys and values alike (kv_bits) can share a batch"
+        if any(mine is not theirs and (mine is None or theirs is None or mine["keys"] is not theirs["keys"])
+               for mine, theirs in zip(*([getattr(layer, "prefix", None) for layer in cache.layers]
+                                         for cache in (self, other)))):
+            return "only rows reading the same shared prefix (or none) can share a batch"
         if other.schedule.allocated != self.schedule.allocated or other.schedule.holds or self.schedule.holds:
             return "caches join a batch once both are compressing (after their prefill), never while held"
         return None

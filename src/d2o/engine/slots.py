@@ -60,9 +60,9 @@ class SlotTable:
         return index
 
     def take(self, slots: torch.Tensor, valid: torch.Tensor | None = None, slack: int = 0) -> SlotTable:
-        """The slots (B, G, K) gathered into new tensors, emptied where ``valid`` (B, K) is False (a row
-        keeping fewer than K), ``slack`` empty ones after them."""
-        empty = None if valid is None or bool(valid.all()) else ~valid[:, None, :]
+        """The slots (B, G, K) gathered into new tensors, emptied where ``valid`` (B, K), or (B, G, K)
+        per KV head, is False (a row keeping fewer than K), ``slack`` empty ones after them."""
+        empty = None if valid is None or bool(valid.all()) else ~(valid[:, None, :] if valid.dim() == 2 else valid)
 
         def gather(tensor: torch.Tensor, fill) -> torch.Tensor:
             taken = take_slots(tensor, slots)
@@ -71,6 +71,34 @@ class SlotTable:
             return _with_empty_slots(taken, slack, fill)
 
         return self.map(gather)
+
+    def narrow(self, start: int, stop: int) -> SlotTable:
+        """The slots ``start:stop`` of every field but the vectors (views): bookkeeping alone."""
+        return SlotTable({}, self.token_index[:, :, start:stop],
+                         None if self.log_weight is None else self.log_weight[:, :, start:stop],
+                         {name: state[:, :, start:stop] for name, state in self.state.items()})
+
+    def emptied(self, where: torch.Tensor) -> SlotTable:
+        """A new table with the slots ``where`` (B, G, N) empty: -1 as token index, zeros elsewhere."""
+        return self.map(lambda tensor, fill: tensor.masked_fill(where.view(*where.shape, *(1,) * (tensor.dim() - 3)),
+                                                                fill))
+
+    def beside(self, other: SlotTable) -> SlotTable:
+        """``other``'s slots after this table's, in new tensors; a table without vectors (``narrow``'s)
+        adds none, and a field one side lacks is zeros there."""
+        def cat(mine, theirs, fill=0):
+            if mine is None and theirs is None:
+                return None
+            example = mine if mine is not None else theirs
+            zeros = [example.new_full((*table.token_index.shape, *example.shape[3:]), fill) for table in (self, other)]
+            return torch.cat([zeros[0] if mine is None else mine, zeros[1] if theirs is None else theirs], dim=2)
+
+        names = dict.fromkeys([*self.state, *other.state])
+        vectors = self.vectors if not other.vectors else other.vectors if not self.vectors else \
+            {name: torch.cat([self.vectors[name], other.vectors[name]], dim=2) for name in self.vectors}
+        return SlotTable(vectors, cat(self.token_index, other.token_index, EMPTY_INDEX),
+                         cat(self.log_weight, other.log_weight),
+                         {name: cat(self.state.get(name), other.state.get(name)) for name in names})
 
     def select_rows(self, index: torch.Tensor) -> SlotTable:
         return self.map(lambda tensor, _: tensor.index_select(0, index))

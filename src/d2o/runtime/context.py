@@ -103,15 +103,17 @@ class CompressedContext:
         seconds = time.perf_counter() - start
         return Generation.of(sequences, seconds, 0.0)
 
-    def answer_batch(self, questions: list[list[int]], sequences: list[Sequence]) -> Batch:
+    def answer_batch(self, questions: list[list[int]], sequences: list[Sequence], shared_prefix: bool = True) -> Batch:
         """A batch ready to decode: each question's token ids fed to its own copy of the context
-        (the sequences' rows, in order), the rows then joined."""
+        (the sequences' rows, in order), the rows then joined. ``shared_prefix``: the copies read the
+        context's keys and values in place, held once by the batch (``CompressedCache.copy``); False:
+        each row holds its own copy of them."""
         batches = []
         for question, sequence in zip(questions, sequences):
             if not question:
                 raise D2OError("the question is empty")
             sequence.prompt_tokens = len(self.ids)
-            batch = Batch(self.model, self.cache.copy(), [sequence], self.logits, self.positions)
+            batch = Batch(self.model, self.cache.copy(shared_prefix), [sequence], self.logits, self.positions)
             start = time.perf_counter()
             batch.feed([question])
             sequence.prefill_seconds = seconds_since(start, self.logits.device)

@@ -1,0 +1,84 @@
+"""Many questions on one compressed document, answered as one batch (``CompressedContext.ask``): the
+document's keys and values read in place by every row (a shared prefix) against copied into every
+row, side by side in one run.
+
+The document is NIAH's haystack of ``length`` tokens with ``questions`` needles (the server's
+documents workload), each needle's question a row. Reported per method: the KV bytes (keys and
+values) of the batch after the questions' pass and at its peak while decoding, against one
+compressed document and against one document plus the rows' own tokens (questions and answers, at
+the model's bytes per token); the bookkeeping bytes (token indices, method state); ms per decode
+step; whether the greedy answers are the same both ways, and how many contain their needle.
+"""
+
+from __future__ import annotations
+
+import time
+
+from d2o.budget import Budget
+from d2o.engine.model_facts import head_dim
+from d2o.runtime.context import compress
+from d2o.runtime.decoding import Sequence
+
+
+def document(tokenizer, length: int, questions: int) -> tuple[str, list[str], list[str]]:
+    """The haystack of ``length`` tokens with ``questions`` needles, their questions and answers."""
+    from d2o.eval.tasks import get_task
+    from d2o.eval.tasks.niah import NEEDLES
+
+    samples = get_task("niah", needles=questions, lengths=(length,)).samples(tokenizer, 1, 0)
+    text = samples[0].prompt[: len(samples[0].prompt) - len(samples[0].question)]
+    return text, [NEEDLES[s.meta["needle"]][1] for s in samples], [s.gold for s in samples]
+
+
+def _kv_bytes(cache) -> tuple[int, int]:
+    report = cache.report()
+    return report.kv_bytes, report.state_bytes
+
+
+def _answer(context, ids: list[list[int]], max_tokens: int, shared: bool) -> dict:
+    sequences = [Sequence(context.tokenizer, max_tokens, stop_ids=context.stop_ids) for _ in ids]
+    batch = context.answer_batch(ids, sequences, shared_prefix=shared)
+    fed, fed_state = _kv_bytes(batch.cache)
+    peak, peak_state, steps, seconds = fed, fed_state, 0, 0.0
+    while batch.sequences:
+        start = time.perf_counter()
+        batch.step()
+        seconds += time.perf_counter() - start
+        steps += 1
+        if batch.sequences:
+            kv, state = _kv_bytes(batch.cache)
+            peak, peak_state = max(peak, kv), max(peak_state, state)
+    own = sum(len(question) + len(sequence.tokens) for question, sequence in zip(ids, sequences))
+    return {"fed": fed, "peak": peak, "peak_state": peak_state, "ms_per_step": 1000 * seconds / steps,
+            "answers": [sequence.text for sequence in sequences], "own_tokens": own}
+
+
+def bench_ask(model, tokenizer, methods: list[str], budget: Budget, length: int = 1500, questions: int = 8,
+              max_tokens: int = 16) -> list[dict]:
+    text, asked, golds = document(tokenizer, length, questions)
+    config = model.config.get_text_config()
+    # Keys and values of one token in every layer (the model's dtype): what a row's own token holds.
+    token_bytes = config.num_hidden_layers * config.num_key_value_heads * 2 * head_dim(config) * \
+        next(model.parameters()).element_size()
+    rows = []
+    for method in methods:
+        context = compress(model, tokenizer, text, method, budget, chat=True)
+        ids = [context.question_ids(question) for question in asked]
+        document_bytes = context.report.kv_bytes
+        copied, shared = (_answer(context, ids, max_tokens, share) for share in (False, True))
+        found = sum(gold.lower() in answer.lower() for gold, answer in zip(golds, shared["answers"]))
+        own_bytes = shared["own_tokens"] * token_bytes
+        rows.append({
+            "method": method, "budget": str(budget), "document KV bytes": document_bytes,
+            "questions": questions,
+            "shared: KV bytes after the questions": shared["fed"], "shared: peak KV bytes": shared["peak"],
+            "copied: peak KV bytes": copied["peak"],
+            "shared peak / document": shared["peak"] / document_bytes,
+            "shared peak / (document + own tokens)": shared["peak"] / (document_bytes + own_bytes),
+            "copied peak / (document + own tokens)": copied["peak"] / (document_bytes + own_bytes),
+            "shared / copied peak": shared["peak"] / copied["peak"],
+            "shared: peak bookkeeping bytes": shared["peak_state"], "copied: peak bookkeeping bytes":
+                copied["peak_state"],
+            "ms per step, shared / copied": shared["ms_per_step"] / copied["ms_per_step"],
+            "same answers": shared["answers"] == copied["answers"], "needles found": f"{found}/{questions}"})
+    return rows

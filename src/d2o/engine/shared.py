@@ -1,0 +1,213 @@
+"""A layer whose rows attend to one read-only prefix in place: many questions on one compressed context.
+
+The prefix is another layer's keys and values (1, G, P, D), never written and never copied per row;
+the tokens fed after it go to a part of the layer's own (B, G, N, D). The slot table is full width
+(P + N slots per row and KV head: the prefix's first), so policies, statistics and the schedule
+see one layer. What differs per row is bookkeeping only:
+
+- evicting a prefix slot empties it in that row's table (its vectors stay for the other rows);
+- keeping (``keep``) leaves the prefix's slots where they are and gathers the own part's alone;
+- a merge that changes a prefix slot's vectors in a row moves that slot into the row's own part
+  first (copy on write), so the prefix is the same for every row, always;
+- the attention reads a gathered view (the prefix repeated for the batch, then the own part), made
+  once per pass and dropped after it (``settle``), as a quantized layer's open copy.
+
+The prefix's bytes count once (``nbytes``); a saved layer is written whole (a plain layer's form).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from d2o.engine.api import Merged
+from d2o.engine.selection import take_slots
+from d2o.engine.slots import SlotTable
+from d2o.engine.storage import CompressedLayer
+from d2o.errors import D2OError
+
+VECTORS = ("keys", "values")
+
+
+class SharedPrefixLayer(CompressedLayer):
+    """A ``CompressedLayer`` whose first ``prefix_width`` slots read ``prefix`` (see the module)."""
+
+    @staticmethod
+    def can_share(layer: CompressedLayer) -> bool:
+        """Whether ``layer`` can be a prefix: a plain layer (not quantized, not itself sharing) of one row."""
+        return type(layer) is CompressedLayer and layer.is_initialized and layer.token_index.shape[0] == 1
+
+    @classmethod
+    def over(cls, source: CompressedLayer, cache) -> SharedPrefixLayer:
+        """A layer of ``cache`` going on from ``source`` (``can_share``), reading its keys and values as
+        its prefix: the bookkeeping copied, an own part of no slots."""
+        layer = cls.__new__(cls)
+        layer.__dict__.update(source.copy_for(cache).__dict__)
+        keys, values = source.attended()
+        layer.prefix = {"keys": keys, "values": values}
+        layer.prefix_width = keys.shape[2]
+        layer._open = None
+        table = layer.slots
+        layer._set(SlotTable({name: vectors[:, :, :0] for name, vectors in layer.prefix.items()}, table.token_index,
+                             table.log_weight, table.state))
+        return layer
+
+    keys = property(lambda layer: layer.slots and layer.attended()[0])
+    values = property(lambda layer: layer.slots and layer.attended()[1])
+    own_width = property(lambda layer: layer.slots.width - layer.prefix_width)
+
+    def _set(self, table: SlotTable) -> None:
+        super()._set(table)
+        self._open = None
+
+    def attended(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The gathered view: the prefix for every row, then the own part, (B, G, P + N, D)."""
+        if self._open is None:
+            batch = self.slots.token_index.shape[0]
+            self._open = tuple(torch.cat([self.prefix[name].expand(batch, -1, -1, -1), self.slots.vectors[name]], 2)
+                               for name in VECTORS)
+        return self._open
+
+    def settle(self) -> None:
+        self._open = None
+
+    def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super()._append(key_states, value_states)
+        self._open = None
+
+    def _next_slot(self):
+        """The first empty slot of the own part in every row and KV head (never a prefix slot, whose
+        vectors are not the row's to write); None: appended."""
+        if not self.owns_storage:
+            return None
+        self.vacancies = None  # an eviction's vacancies may be prefix slots: the own part is searched instead
+        free = self.slots.token_index[:, :, self.prefix_width:] < 0
+        if free.shape[2] == 0 or not bool(free.any(-1).all()):
+            return None
+        own = free.to(torch.uint8).argmax(-1, keepdim=True)
+        slots = own + self.prefix_width
+        self._zeroed, self._prepared, self._bias_slots = False, None, slots[:, :, None, :]
+        batch, heads = own.shape[:2]
+        return slots, own[..., None].expand(batch, heads, 1, self.key_dim), \
+            own[..., None].expand(batch, heads, 1, self.value_dim)
+
+    def _write(self, written, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        _, key_slots, value_slots = written  # into the own part
+        self.slots.vectors["keys"].scatter_(2, key_slots, key_states)
+        self.slots.vectors["values"].scatter_(2, value_slots, value_states)
+        self._open = None
+
+    def _take_vectors(self, take, vectors: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        return dict(zip(VECTORS, (take(tensor) for tensor in self.attended()))) if vectors else {}
+
+    def keep(self, keep: torch.Tensor, keep_valid: torch.Tensor, slack: int = 0) -> None:
+        """``CompressedLayer.keep`` that leaves the prefix's slots in place, emptying those not kept,
+        and gathers the own part's kept slots (in slot order, each row and head's count padded to the
+        most) with ``slack`` empty ones after them."""
+        width = self.prefix_width
+        kept = keep_valid[:, None, :].expand_as(keep)
+        in_prefix = kept & (keep < width)
+        held = torch.zeros((*keep.shape[:2], width + 1), dtype=torch.bool, device=keep.device)
+        held = held.scatter_(2, torch.where(in_prefix, keep, width), True)[:, :, :width]
+        prefix_part = self.slots.narrow(0, width).emptied(~held)
+        own = kept & (keep >= width)
+        order = torch.where(own, keep - width, self.own_width).sort(-1).values[..., :int(own.sum(-1).max())]
+        own_table = SlotTable(self.slots.vectors, *self._own_bookkeeping())
+        own_part = own_table.take(order.clamp_max(max(self.own_width - 1, 0)), order < self.own_width, slack)
+        self._set(prefix_part.beside(own_part))
+        self.owns_storage, self.vacancies = True, None
+
+    def _own_bookkeeping(self) -> tuple:
+        own = self.slots.narrow(self.prefix_width, self.slots.width)
+        return own.token_index, own.log_weight, own.state
+
+    def apply_merged(self, merged: Merged) -> None:
+        """Counts, weights and state as any layer; new vectors into the own part, a prefix slot's
+        moved there first (copy on write)."""
+        super().apply_merged(replace(merged, keys=None, values=None))
+        if merged.keys is None and merged.values is None:
+            return
+        width = self.prefix_width
+        if merged.slots is None:  # new vectors of every slot, of which `changed` differ
+            changed = merged.changed
+            moving = torch.ones_like(self.slots.token_index[:, :, :width], dtype=torch.bool) if changed is None \
+                else changed[:, :, :width] != 0
+            new = {name: getattr(merged, name) for name in VECTORS}
+            for name, vectors in new.items():
+                if vectors is not None:
+                    self.slots.vectors[name] = vectors[:, :, width:].clone()
+            self._unshare(moving & (self.slots.token_index[:, :, :width] >= 0),
+                          {name: vectors[:, :, :width] for name, vectors in new.items() if vectors is not None})
+            return
+        slots = merged.slots  # (B, G, K): a decode step's targets
+        changed = torch.ones_like(slots, dtype=torch.bool) if merged.changed is None else merged.changed != 0
+        in_prefix = changed & (slots < width)
+        if bool(in_prefix.any()):
+            moving = torch.zeros_like(self.slots.token_index[:, :, :width + 1], dtype=torch.bool)
+            moving = moving.scatter_(2, torch.where(in_prefix, slots, width), True)[:, :, :width]
+            moved_to = self._unshare(moving, {})
+            slots = torch.where(in_prefix, moved_to.gather(2, slots.clamp_max(width - 1)), slots)
+        writing = changed & (slots >= width)
+        if not bool(writing.any()):
+            return
+        own = (slots - width).clamp_min(0)
+        for name in VECTORS:
+            new = getattr(merged, name)
+            if new is None:
+                continue
+            stored = self.slots.vectors[name]
+            index = own[..., None].expand(*own.shape, stored.shape[-1])
+            stored.scatter_(2, index, torch.where(writing[..., None], new.to(stored.dtype), stored.gather(2, index)))
+        self._open = None
+
+    def _unshare(self, moving: torch.Tensor, vectors: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """Move the prefix slots ``moving`` (B, G, P) of each row and head into new slots of its own
+        part, with their bookkeeping and ``vectors`` (by name, (B, G, P, D): the new vectors of every
+        prefix slot; the prefix's own otherwise); the prefix slots emptied. Returns (B, G, P): each
+        moved slot's new slot."""
+        width, table = self.prefix_width, self.slots
+        count = int(moving.sum(-1).max())
+        if count == 0:
+            return None
+        positions = torch.arange(width, device=moving.device)
+        order = torch.where(moving, positions, width).sort(-1).values[..., :count]  # (B, G, count)
+        valid = order < width
+        source = order.clamp_max(width - 1)
+        batch = table.token_index.shape[0]
+        taken = {name: take_slots(vectors.get(name, self.prefix[name].expand(batch, -1, -1, -1)), source)
+                 for name in VECTORS}
+        bookkeeping = table.narrow(0, width)
+        moved = bookkeeping.take(source, valid)  # their token indices, weights and state; then their vectors
+        moved = SlotTable(taken, moved.token_index, moved.log_weight, moved.state).emptied(~valid)
+        own_part = SlotTable(table.vectors, *self._own_bookkeeping())
+        self._set(bookkeeping.emptied(moving).beside(own_part.beside(moved)))
+        # Where each moved slot went: after the own part, in the order taken (an index past the prefix
+        # takes the rows and heads that moved fewer).
+        new_slots = width + own_part.width + torch.arange(count, device=moving.device).expand_as(order)
+        moved_to = torch.zeros((*moving.shape[:2], width + 1), dtype=torch.long, device=moving.device)
+        return moved_to.scatter_(2, torch.where(valid, order, width), new_slots)[:, :, :width]
+
+    # -- rows, copies and saving -------------------------------------------------------------------
+    def join(self, others: list[CompressedLayer]) -> None:
+        for other in others:
+            if not isinstance(other, SharedPrefixLayer) or any(
+                    other.prefix[name] is not self.prefix[name] for name in VECTORS):
+                raise D2OError("rows sharing a prefix join only rows of the same prefix")
+        super().join(others)
+
+    def copy_for(self, cache) -> SharedPrefixLayer:
+        new = super().copy_for(cache)
+        new._open = None
+        return new
+
+    nbytes = property(lambda layer: 0 if layer.slots is None else
+                      layer.slots.vector_bytes + sum(vectors.nbytes for vectors in layer.prefix.values()),
+                      doc="Bytes of the own part's keys and values, and the prefix's once.")
+
+    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """A plain layer's: the prefix written out for every row (loaded, it is a ``CompressedLayer``)."""
+        tensors, meta = super().state_dict()
+        tensors.update({f"stored.{name}": vectors for name, vectors in zip(VECTORS, self.attended())})
+        self.settle()
+        return tensors, meta

@@ -1,0 +1,111 @@
+"""Many questions on one compressed context hold its keys and values once (``engine.shared``): the
+rows read them in place, evict from them for themselves, and copy a slot before a merge changes it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import byte_tokenizer, tiny_model
+
+import d2o
+from d2o.engine.cache import CompressedCache
+from d2o.engine.shared import SharedPrefixLayer
+from d2o.runtime.context import compress
+from d2o.runtime.decoding import Sequence
+
+CONTEXT = "The quick brown fox jumps over the lazy dog near the river bank. " * 5
+QUESTIONS = ["What jumps?", "Who is lazy? Tell me now, please.", "Where?", "Why is the fox so quick today?"]
+BUDGET = d2o.Budget(ratio=0.3, min_tokens=0)
+
+
+def asked(context, shared: bool, steps: int = 8):
+    """The questions answered as one batch; the batch (its rows finished) and each row's tokens."""
+    ids = [context.question_ids(question) for question in QUESTIONS]
+    sequences = [Sequence(context.tokenizer, steps) for _ in ids]
+    batch = context.answer_batch(ids, sequences, shared_prefix=shared)
+    return batch, ids, sequences
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("method", ["d2o-novelty", "kvzip", "d2o", "h2o", "snapkv"])
+def test_rows_on_a_shared_prefix_answer_as_rows_on_copies_and_hold_it_once(arch, method):
+    model = tiny_model(arch)
+    context = compress(model, byte_tokenizer(), CONTEXT, method, BUDGET, evict_every=1)
+    before = [(layer.keys.clone(), layer.values.clone(), layer.token_index.clone()) for layer in context.cache.layers]
+    copied, ids, copied_rows = asked(context, shared=False)
+    shared, _, shared_rows = asked(context, shared=True)
+    assert all(isinstance(layer, SharedPrefixLayer) for layer in shared.cache.layers)
+    for mine, theirs in zip(shared.cache.layers, context.cache.layers):
+        assert mine.prefix["keys"] is theirs.keys and mine.prefix["values"] is theirs.values
+    torch.testing.assert_close(shared.logits, copied.logits, rtol=1e-4, atol=1e-4)
+
+    # The prefix once, each row's own part beside it: at most the widest question's tokens per row and
+    # layer, and as many prefix slots copied before a merge changed them (one per evicted token).
+    token_bytes = sum(layer.prefix["keys"][0, :, 0].nbytes + layer.prefix["values"][0, :, 0].nbytes
+                      for layer in shared.cache.layers)
+    widest = max(map(len, ids)) * (2 if d2o.get_method(method).merge is not None else 1)
+    assert shared.cache.report().kv_bytes <= context.report.kv_bytes + len(ids) * widest * token_bytes
+    assert copied.cache.report().kv_bytes >= len(ids) * context.report.kv_bytes
+    assert shared.cache.report().kv_bytes < copied.cache.report().kv_bytes
+
+    shared.run()
+    copied.run()
+    assert [s.tokens for s in shared_rows] == [s.tokens for s in copied_rows]
+    # Whatever the rows evicted or merged, the context is as it was.
+    for layer, (keys, values, index) in zip(context.cache.layers, before):
+        assert torch.equal(layer.keys, keys) and torch.equal(layer.values, values)
+        assert torch.equal(layer.token_index, index)
+
+
+def test_a_row_evicts_prefix_slots_for_itself_and_copies_a_slot_before_a_merge_changes_it():
+    """D2O merges evicted tokens into kept ones: a prefix slot a row merges into moves to that row's
+    own part (its token index there, below the context's length), emptied in the prefix for that
+    row only; the prefix's vectors never change."""
+    model = tiny_model("llama")
+    context = compress(model, byte_tokenizer(), CONTEXT, "d2o", BUDGET, evict_every=1)
+    keys = [layer.keys.clone() for layer in context.cache.layers]
+    batch, _, _ = asked(context, shared=True, steps=12)
+    for _ in range(10):
+        batch.step()
+    moved = emptied_for_some = 0
+    for layer, original in zip(batch.cache.layers, keys):
+        width, index = layer.prefix_width, layer.token_index
+        own = index[:, :, width:]
+        moved += int(((own >= 0) & (own < len(context.ids))).sum())
+        prefix = index[:, :, :width] >= 0
+        emptied_for_some += int((prefix.any(0) & ~prefix.all(0)).sum())
+        assert torch.equal(layer.prefix["keys"], original)
+    assert moved > 0 and emptied_for_some > 0
+
+
+def test_rows_of_another_prefix_do_not_join_and_a_shared_cache_saves_whole():
+    model = tiny_model("llama")
+    tokenizer = byte_tokenizer()
+    first = compress(model, tokenizer, CONTEXT, "h2o", BUDGET)
+    second = compress(model, tokenizer, CONTEXT[::-1], "h2o", BUDGET)
+    one, _, _ = asked(first, shared=True)
+    other, _, _ = asked(second, shared=True)
+    plain, _, _ = asked(first, shared=False)
+    assert "prefix" in one.cache.why_not_joined(other.cache)
+    assert "prefix" in one.cache.why_not_joined(plain.cache)
+    with pytest.raises(d2o.D2OError, match="prefix"):
+        one.join(other)
+
+    tensors, meta = one.cache.state_dict()
+    loaded = CompressedCache(model, d2o.get_method("h2o"), BUDGET)
+    loaded.load_state_dict(tensors, meta, torch.float32)
+    assert not any(isinstance(layer, SharedPrefixLayer) for layer in loaded.layers)
+    for mine, theirs in zip(loaded.layers, one.cache.layers):
+        assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.token_index, theirs.token_index)
+
+
+@pytest.mark.real_model
+def test_eight_questions_on_a_document_hold_it_once(real_model):
+    """The issue's measure, small: SmolLM2, a 1,500-token document, 8 needle questions at 20%."""
+    from d2o.bench.ask import bench_ask
+
+    model, tokenizer = real_model
+    row, = bench_ask(model, tokenizer, ["d2o-novelty"], d2o.Budget.parse("0.2"), 1500, 8, 8)
+    assert row["same answers"]
+    assert row["shared peak / (document + own tokens)"] <= 1.5
+    assert row["copied peak / (document + own tokens)"] >= 3
