@@ -12,6 +12,7 @@ from d2o.engine.cache import CompressedCache
 from d2o.engine.shared import SharedPrefixLayer
 from d2o.runtime.context import compress
 from d2o.runtime.decoding import Sequence
+from d2o.runtime.memory import own_peaks, padded_bytes, peak_slots, prefix_widths, slot_bytes, slot_widths
 
 CONTEXT = "The quick brown fox jumps over the lazy dog near the river bank. " * 5
 QUESTIONS = ["What jumps?", "Who is lazy? Tell me now, please.", "Where?", "Why is the fox so quick today?"]
@@ -109,3 +110,30 @@ def test_eight_questions_on_a_document_hold_it_once(real_model):
     assert row["same answers"]
     assert row["shared peak / (document + own tokens)"] <= 1.5
     assert row["copied peak / (document + own tokens)"] >= 3
+
+
+@pytest.mark.parametrize("method, evict_every", [("d2o", 1), ("d2o", 4), ("h2o", 1), ("kvzip", 1), ("d2o-novelty", 4)])
+def test_rows_on_a_shared_prefix_stay_within_their_padded_bound_which_counts_it_once(method, evict_every):
+    """The server's admission bound (``padded_bytes`` with the prefix) holds at every step of an
+    answer, through merges, evictions and a row leaving, and is below the bound of copied rows."""
+    model = tiny_model("llama")
+    context = compress(model, byte_tokenizer(), CONTEXT, method, BUDGET, evict_every=evict_every)
+    steps = 12
+    batch, _, _ = asked(context, shared=True, steps=steps)
+    chosen = d2o.get_method(method)
+    per_slot, per_vector = slot_bytes(model.config, 4, chosen), slot_bytes(model.config, 4, chosen, stock=True)
+    peaks, own = peak_slots(batch.cache, steps), own_peaks(batch.cache, steps)
+
+    def bound(rows):
+        return padded_bytes(slot_widths(batch.cache), peaks[rows], per_slot, 0, prefix_widths(batch.cache),
+                            per_vector, own[rows])
+
+    limit = bound(list(range(len(QUESTIONS))))  # what the server reserves as the rows join
+    copied, _, _ = asked(context, shared=False, steps=steps)
+    assert limit < padded_bytes(slot_widths(copied.cache), peak_slots(copied.cache, steps), per_slot)
+    for step in range(steps - 1):
+        if step == 5:  # a row leaves
+            batch.keep_rows([0, 2, 3])
+            limit = bound([0, 2, 3])
+        batch.step()
+        assert batch.cache.nbytes <= limit, (step, batch.cache.nbytes, limit)

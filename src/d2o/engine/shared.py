@@ -139,8 +139,14 @@ class SharedPrefixLayer(CompressedLayer):
                     self.slots.vectors[name] = vectors[:, :, width:].clone()
             self._unshare(moving & (self.slots.token_index[:, :, :width] >= 0),
                           {name: vectors[:, :, :width] for name, vectors in new.items() if vectors is not None})
+            self._compact()
             return
         slots = merged.slots  # (B, G, K): a decode step's targets
+        self._write_targets(merged, slots, width)
+        self._compact()
+
+    def _write_targets(self, merged: Merged, slots: torch.Tensor, width: int) -> None:
+        """A decode step's merged vectors into their target ``slots``, those in the prefix moved first."""
         changed = torch.ones_like(slots, dtype=torch.bool) if merged.changed is None else merged.changed != 0
         in_prefix = changed & (slots < width)
         if bool(in_prefix.any()):
@@ -160,6 +166,18 @@ class SharedPrefixLayer(CompressedLayer):
             index = own[..., None].expand(*own.shape, stored.shape[-1])
             stored.scatter_(2, index, torch.where(writing[..., None], new.to(stored.dtype), stored.gather(2, index)))
         self._open = None
+
+    def _compact(self) -> None:
+        """Keep the own part at most ``evict_every`` slots wider than its fullest row and head (what a
+        memory plan counts on): a copy appends a slot for every row, where the others may have room."""
+        own = self.slots.token_index[:, :, self.prefix_width:] >= 0
+        room = self.cache.evict_every
+        fullest, width = int(own.sum(-1).max()), own.shape[2]
+        if width <= fullest + room:
+            return
+        order = torch.where(own, torch.arange(width, device=own.device), width).sort(-1).values[..., :fullest + room]
+        part = SlotTable(self.slots.vectors, *self._own_bookkeeping()).take(order.clamp_max(width - 1), order < width)
+        self._set(self.slots.narrow(0, self.prefix_width).beside(part))
 
     def _unshare(self, moving: torch.Tensor, vectors: dict[str, torch.Tensor]) -> torch.Tensor | None:
         """Move the prefix slots ``moving`` (B, G, P) of each row and head into new slots of its own

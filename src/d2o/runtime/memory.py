@@ -166,12 +166,46 @@ def slot_widths(cache) -> list[int]:
     return [layer.token_index.shape[2] if layer.is_initialized else 0 for layer in cache.layers]
 
 
-def padded_bytes(widths: list[int], peaks: torch.Tensor, per_slot: list[int], per_row: int = 0) -> int:
+def prefix_widths(cache) -> list[int]:
+    """Slots of each layer's shared prefix (``engine.shared``; 0: none), which its rows hold once."""
+    return [getattr(layer, "prefix_width", 0) for layer in cache.layers]
+
+
+def own_peaks(cache, new_tokens: int) -> torch.Tensor:
+    """(B, L): the most slots each row's own part beside a shared prefix (``engine.shared``; 0 in a
+    layer without one) spans while it is fed up to ``new_tokens`` more tokens. Each new token adds
+    one slot, and one more where a merge copies the prefix slot it changes; a row never holds more
+    than its peak (``peak_slots``); the part is at most ``evict_every`` slots wider than its fullest
+    KV head (``SharedPrefixLayer``)."""
+    peaks = peak_slots(cache, new_tokens)
+    per_token = 1 if cache.policy.merge is None else 2
+    columns = []
+    for layer, peak in zip(cache.layers, peaks.unbind(1)):
+        width = getattr(layer, "prefix_width", None)
+        if width is None:
+            columns.append(torch.zeros_like(peak))
+            continue
+        fullest = (layer.token_index[:, :, width:] >= 0).sum(-1).amax(-1).cpu()
+        columns.append(torch.minimum(fullest + per_token * new_tokens, peak) + cache.evict_every)
+    return torch.stack(columns, dim=1)
+
+
+def padded_bytes(widths: list[int], peaks: torch.Tensor, per_slot: list[int], per_row: int = 0,
+                 prefix: list[int] | None = None, per_vector: list[int] | None = None,
+                 own: torch.Tensor | None = None) -> int:
     """The most KV bytes a batch of rows with ``peaks`` (B, L) from ``peak_slots`` reaches: every
     row is as wide as the widest in each layer. ``widths``: each layer's slots now (a batch's
     tensors do not narrow when its widest row leaves); ``per_slot``: ``slot_bytes``; ``per_row``:
-    ``row_bytes``."""
+    ``row_bytes``. Rows on a shared prefix (``prefix``: ``prefix_widths``) hold its keys and values
+    once (``per_vector``: their part of ``per_slot``) and its other fields each, beside their own
+    parts (``own``: ``own_peaks``)."""
     if not len(peaks):
         return 0
-    widest = torch.maximum(peaks.max(0).values, torch.tensor(widths, dtype=peaks.dtype))
-    return len(peaks) * (int((widest * torch.tensor(per_slot, dtype=widest.dtype)).sum()) + per_row)
+    if prefix is None or not any(prefix):
+        widest = torch.maximum(peaks.max(0).values, torch.tensor(widths, dtype=peaks.dtype))
+        return len(peaks) * (int((widest * torch.tensor(per_slot, dtype=widest.dtype)).sum()) + per_row)
+    shared = torch.tensor(prefix, dtype=peaks.dtype)
+    widest = torch.maximum(own.max(0).values, torch.tensor(widths, dtype=peaks.dtype) - shared)
+    per_slot, per_vector = (torch.tensor(values, dtype=peaks.dtype) for values in (per_slot, per_vector))
+    row = (widest * per_slot + shared * (per_slot - per_vector)).sum() + per_row
+    return int((shared * per_vector).sum()) + len(peaks) * int(row)

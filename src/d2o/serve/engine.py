@@ -6,12 +6,14 @@ holds the running requests up by a chunk at a time, not by its whole prefill), l
 running batch of its method and budget (a *lane*) once prefilled, then step every lane once. A
 request's row leaves its batch when it finishes or is cancelled, and its cache rows go with it.
 Requests of different methods or budgets never share a batch (their caches cannot); requests of the
-same key may run in more than one lane, when joining would not fit.
+same key may run in more than one lane, when joining would not fit. Requests on one kept document
+(the prefix cache) read its compressed keys and values in place, beside tokens of their own
+(``engine.shared``): they share a lane of their own, which holds the document once.
 
 Admission: a request is admitted when everything already admitted, at most, plus this request's
 prefill and its budgeted cache fit under the cap. A lane is reserved at ``padded_bytes``: its rows
 share one tensor per layer as wide as the widest row, so a short row beside a long one costs the
-long one's width. An admitted request not yet prefilled reserves its ``plan``'s held bytes, and
+long one's width (a shared document's keys and values counted once). An admitted request not yet prefilled reserves its ``plan``'s held bytes, and
 the one prefill running at a time its whole prompt. Requests that do not fit wait in a bounded
 queue, first come first served (none overtakes the head, so a large request is not starved);
 beyond the queue, HTTP 503. A request that could not fit even alone is refused at once.
@@ -31,7 +33,7 @@ from d2o.methods import get_method
 from d2o.runtime.context import compress_ids, conversation_ids
 from d2o.runtime.decoding import Batch, Sampling, Sequence
 from d2o.runtime.generation import resolve
-from d2o.runtime.memory import over_cap, peak_slots, plan, row_bytes, slot_bytes
+from d2o.runtime.memory import over_cap, own_peaks, peak_slots, plan, row_bytes, slot_bytes
 from d2o.runtime.prompts import check_length, encode, positions, stop_token_ids
 from d2o.serve.config import ServeConfig
 from d2o.serve.jobs import Job, Lane, stable_text
@@ -247,6 +249,7 @@ class Engine:
                     return
                 job.prefilling = None
             job.peaks = peak_slots(batch.cache, job.sequence.max_new_tokens)[0]
+            job.own = own_peaks(batch.cache, job.sequence.max_new_tokens)[0]
         except D2OError as error:  # e.g. a ratio too small for a short prompt without a floor
             job.prefilling = None
             return self._settle(job, APIError(400, str(error), "kv_budget"), "failed")
@@ -256,6 +259,7 @@ class Engine:
         self._record_kv(extra=job.plan.prefill_bytes)
         per_slot = slot_bytes(self.model.config, self.dtype_bytes, job.method, kv_bits=self.kv_bits)
         per_row = row_bytes(self.model.config, self.dtype_bytes, job.method, self.kv_bits)
+        per_vector = slot_bytes(self.model.config, self.dtype_bytes, job.method, stock=True)
         with self._lock:  # the job stays admitted until it is placed (a failure below fails it too)
             base = self._reserved([other for other in self._admitted if other is not job])
             options = [(lane.bound(batch, job) - self._bounds[id(lane)], lane)
@@ -265,7 +269,7 @@ class Engine:
                 lane = min(options, key=lambda option: option[0])[1]
                 lane.join(batch, job)
             else:  # alone it fits: its reservation covered its plan, which bounds its peak
-                lane = Lane(batch, job, per_slot, per_row)
+                lane = Lane(batch, job, per_slot, per_row, per_vector)
                 self._lanes.append(lane)
             self._bounds[id(lane)] = lane.bound()
             self._admitted.remove(job)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from d2o.runtime.decoding import Batch, Sequence
-from d2o.runtime.memory import padded_bytes, slot_widths
+from d2o.runtime.memory import padded_bytes, prefix_widths, slot_widths
 
 
 @dataclass
@@ -40,6 +40,7 @@ class Job:
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = False
         self.peaks: torch.Tensor | None = None  # (L,) its row's most slots per layer, once prefilled
+        self.own: torch.Tensor | None = None  # (L,) of those, the most beside a shared prefix (``own_peaks``)
         self.sent = ""  # text streamed so far
         self.counted = 0  # tokens counted in the statistics so far
         self.boundary: int | None = None  # its earlier turns' length, where its prefix may be cached
@@ -74,8 +75,10 @@ def stable_text(sequence: Sequence) -> str:
 class Lane:
     """Rows of one method and budget decoding together: one ``Batch`` and each row's job."""
 
-    def __init__(self, batch: Batch, job: Job, per_slot: list[int], per_row: int = 0):
+    def __init__(self, batch: Batch, job: Job, per_slot: list[int], per_row: int = 0,
+                 per_vector: list[int] | None = None):
         self.key, self.batch, self.per_slot, self.per_row = job.key, batch, per_slot, per_row
+        self.per_vector = per_vector  # the keys' and values' part of per_slot: a shared prefix's held once
         self.jobs = {id(job.sequence): job}
 
     def rows(self) -> list[Job]:
@@ -83,11 +86,14 @@ class Lane:
 
     def bound(self, newcomer: Batch | None = None, job: Job | None = None) -> int:
         """The most bytes this lane can hold (with ``newcomer``'s row joined, if given)."""
-        widths, peaks = slot_widths(self.batch.cache), [j.peaks for j in self.rows()]
+        widths, jobs = slot_widths(self.batch.cache), self.rows()
         if newcomer is not None:
             widths = [max(a, b) for a, b in zip(widths, slot_widths(newcomer.cache))]
-            peaks.append(job.peaks)
-        return padded_bytes(widths, torch.stack(peaks), self.per_slot, self.per_row) if peaks else 0
+            jobs.append(job)
+        if not jobs:
+            return 0
+        return padded_bytes(widths, torch.stack([j.peaks for j in jobs]), self.per_slot, self.per_row,
+                            prefix_widths(self.batch.cache), self.per_vector, torch.stack([j.own for j in jobs]))
 
     def accepts(self, batch: Batch) -> bool:
         """Whether ``batch``'s row may join this lane now: the same method and budget (equal, not
