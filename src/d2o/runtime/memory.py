@@ -166,6 +166,22 @@ def slot_widths(cache) -> list[int]:
     return [layer.token_index.shape[2] if layer.is_initialized else 0 for layer in cache.layers]
 
 
+def shared_prefix(cache) -> tuple[int, int] | None:
+    """What the rows of ``cache`` read in place (``engine.shared``): the identity of the source cache's
+    first shared keys (equal for every cache reading them, and ``prefix_identity`` of that cache)
+    and the bytes of all its shared keys and values; None: nothing shared."""
+    layers = [layer for layer in cache.layers if hasattr(layer, "prefix")]
+    if not layers:
+        return None
+    return id(layers[0].prefix["keys"]), sum(t.nbytes for layer in layers for t in layer.prefix.values())
+
+
+def prefix_identity(cache) -> int | None:
+    """``shared_prefix``'s identity of the caches reading ``cache`` (one row, plain layers) in place."""
+    layer = next((layer for layer in cache.layers if layer.is_initialized), None)
+    return None if layer is None else id(layer.keys)
+
+
 def prefix_widths(cache) -> list[int]:
     """Slots of each layer's shared prefix (``engine.shared``; 0: none), which its rows hold once."""
     return [getattr(layer, "prefix_width", 0) for layer in cache.layers]

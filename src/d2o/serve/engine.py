@@ -33,7 +33,8 @@ from d2o.methods import get_method
 from d2o.runtime.context import compress_ids, conversation_ids
 from d2o.runtime.decoding import Batch, Sampling, Sequence
 from d2o.runtime.generation import resolve
-from d2o.runtime.memory import over_cap, own_peaks, peak_slots, plan, row_bytes, slot_bytes
+from d2o.runtime.memory import (over_cap, own_peaks, peak_slots, plan, prefix_identity, row_bytes, shared_prefix,
+                                slot_bytes)
 from d2o.runtime.prompts import check_length, encode, positions, stop_token_ids
 from d2o.serve.config import ServeConfig
 from d2o.serve.jobs import Job, Lane, stable_text
@@ -192,7 +193,19 @@ class Engine:
         held = sum(job.plan.held_bytes for job in admitted)
         prefill = max((job.plan.prefill_bytes - job.plan.held_bytes for job in admitted), default=0)
         kept = 0 if self.prefixes is None else self.prefixes.nbytes
-        return sum(self._bounds.values()) + held + max(prefill, 0) + kept
+        return sum(self._bounds.values()) + held + max(prefill, 0) + kept - self._counted_twice()
+
+    def _counted_twice(self) -> int:
+        """Bytes of kept documents' keys and values that lanes read in place, counted by the prefix
+        cache and by the lanes' bounds (or by two lanes of one document): held once."""
+        seen = set() if self.prefixes is None else {prefix_identity(c.cache) for c in self.prefixes.contexts()}
+        twice = 0
+        for lane in self._lanes:
+            shared = shared_prefix(lane.batch.cache) if lane.batch.sequences else None
+            if shared is not None:
+                twice += shared[1] if shared[0] in seen else 0
+                seen.add(shared[0])
+        return twice
 
     def _admit(self, job: Job) -> None:
         self._admitted.append(job)
@@ -383,11 +396,11 @@ class Engine:
             job.emit("done", result)
 
     def _record_kv(self, extra: int = 0) -> None:
-        in_use = sum(lane.batch.cache.nbytes for lane in self._lanes if lane.batch.sequences) + extra
-        if self.prefixes is not None:
-            in_use += self.prefixes.nbytes
         with self._lock:
-            self.stats.kv(in_use)
+            in_use = sum(lane.batch.cache.nbytes for lane in self._lanes if lane.batch.sequences) + extra
+            if self.prefixes is not None:
+                in_use += self.prefixes.nbytes
+            self.stats.kv(in_use - self._counted_twice())
 
     # -- /metrics -------------------------------------------------------------------------------------
     def metrics(self) -> dict:

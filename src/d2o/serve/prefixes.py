@@ -35,6 +35,9 @@ class PrefixCache:
     def nbytes(self) -> int:
         return sum(context.nbytes for context in self._entries.values())
 
+    def contexts(self) -> list[CompressedContext]:
+        return list(self._entries.values())
+
     def __len__(self) -> int:
         return len(self._entries)
 
