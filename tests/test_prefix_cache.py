@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 from test_serve import client, essay, scrape, serving
 
+import d2o
 from d2o.errors import D2OError
 from d2o.options import parse_bytes
 from d2o.runtime.context import compress, conversation_ids
 from d2o.runtime.generation import generate
+from d2o.runtime.memory import shared_plan, slot_bytes
 from d2o.serve.config import ServeConfig
 
 pytestmark = pytest.mark.real_model
@@ -98,3 +102,32 @@ def test_a_server_evicting_in_batches_of_steps_answers_as_the_library_does(real_
         assert engine.evict_every == 8
     with pytest.raises(D2OError, match="evict_every must be at least 1"):
         ServeConfig(evict_every=0).check()
+
+
+def test_eight_concurrent_questions_on_a_kept_document_hold_it_once(real_model):
+    """Requests on a kept document read its compressed keys and values in place: eight running at once
+    hold them once (the gauge counts what the prefix cache and the lane share once), beside their own
+    tokens, and each answers as the library does."""
+    model, tokenizer = real_model
+    document = [{"role": "system", "content": "Answer from this document.\n\n" + essay(tokenizer, 1400)}]
+    questions = [{"role": "user", "content": f"What does part {i + 1} of the document say{'?' * (i + 1)}"}
+                 for i in range(8)]
+    context = compress(model, tokenizer, document, "d2o-novelty", 0.2, chat=True)
+    method = d2o.get_method("d2o-novelty")
+    per_slot, per_vector = (slot_bytes(model.config, 4, method, stock=stock) for stock in (False, True))
+    plans = [shared_plan(context.cache, len(context.question_ids(q["content"])), 10, per_slot, per_vector).held_bytes
+             for q in questions]
+    with serving(model, tokenizer, kv_memory=parse_bytes("256MB"), prefix_cache_memory=parse_bytes("32MB")) as (url, _):
+        ask(url, document + [{"role": "user", "content": "Summarise."}])  # compressed, then kept
+        kept = scrape(url)["d2o_kv_bytes"]
+        assert kept == context.nbytes
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(lambda question: ask(url, document + [question]), questions))
+        values = scrape(url)
+    assert [a.choices[0].message.content for a in answers] == [context.ask(q["content"], 10).text for q in questions]
+    assert all(a.usage.prompt_tokens_details.cached_tokens == len(context.ids) for a in answers)
+    assert max(v for k, v in values.items() if k.startswith("d2o_requests_running_peak")) == 8
+    # The document once, beside each request's own tokens and its bookkeeping of the document's slots
+    # (what admission reserves for it, and one more request's while it is fed): a third of 8 copies.
+    assert values["d2o_kv_bytes_peak"] <= kept + sum(plans) + max(plans)
+    assert values["d2o_kv_bytes_peak"] < 0.4 * 8 * kept

@@ -12,7 +12,8 @@ from d2o.engine.cache import CompressedCache
 from d2o.engine.shared import SharedPrefixLayer
 from d2o.runtime.context import compress
 from d2o.runtime.decoding import Sequence
-from d2o.runtime.memory import own_peaks, padded_bytes, peak_slots, prefix_widths, slot_bytes, slot_widths
+from d2o.runtime.memory import (own_peaks, padded_bytes, peak_slots, prefix_widths, shared_plan, shared_prefix,
+                               slot_bytes, slot_widths)
 
 CONTEXT = "The quick brown fox jumps over the lazy dog near the river bank. " * 5
 QUESTIONS = ["What jumps?", "Who is lazy? Tell me now, please.", "Where?", "Why is the fox so quick today?"]
@@ -124,11 +125,18 @@ def test_rows_on_a_shared_prefix_stay_within_their_padded_bound_which_counts_it_
     per_slot, per_vector = slot_bytes(model.config, 4, chosen), slot_bytes(model.config, 4, chosen, stock=True)
     peaks, own = peak_slots(batch.cache, steps), own_peaks(batch.cache, steps)
 
-    def bound(rows):
+    def bound(rows):  # the rows' own parts and bookkeeping, and the context's keys and values once
         return padded_bytes(slot_widths(batch.cache), peaks[rows], per_slot, 0, prefix_widths(batch.cache),
-                            per_vector, own[rows])
+                            per_vector, own[rows]) + shared_prefix(batch.cache)[1]
 
     limit = bound(list(range(len(QUESTIONS))))  # what the server reserves as the rows join
+    # What it reserves for a request before it runs (its question and answer beside the context) covers
+    # its row alone, which it runs as when joining the others would not fit.
+    for question in QUESTIONS:
+        alone = context.answer_batch([context.question_ids(question)], [Sequence(context.tokenizer, steps)])
+        planned = shared_plan(context.cache, len(context.question_ids(question)), steps, per_slot, per_vector)
+        assert padded_bytes(slot_widths(alone.cache), peak_slots(alone.cache, steps), per_slot, 0,
+                            prefix_widths(alone.cache), per_vector, own_peaks(alone.cache, steps)) <= planned.held_bytes
     copied, _, _ = asked(context, shared=False, steps=steps)
     assert limit < padded_bytes(slot_widths(copied.cache), peak_slots(copied.cache, steps), per_slot)
     for step in range(steps - 1):

@@ -17,7 +17,10 @@ the full cache: a bound it never exceeds.
 
 Rows decoding together share one tensor per layer, as wide as its widest row: ``peak_slots`` gives,
 once a row is prefilled, the most slots it can occupy in each layer, and ``padded_bytes`` the most
-a batch of such rows can hold, padding included (what a server must reserve for it).
+a batch of such rows can hold, padding included (what a server must reserve for it). Rows reading
+one compressed context in place (``engine.shared``) hold their own parts (``own_peaks``) and their
+bookkeeping of its slots; its keys and values are counted once, with the context (``shared_plan``,
+``shared_prefix``).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 from d2o.budget import UNLIMITED, Budget
 from d2o.engine.model_facts import compressible_layers, head_dim, sliding_windows
 from d2o.engine.quantization import KVQuantization
+from d2o.engine.shared import SharedPrefixLayer
 from d2o.engine.storage import TOKEN_INDEX_DTYPE
 from d2o.methods.base import Method
 
@@ -182,6 +186,23 @@ def prefix_identity(cache) -> int | None:
     return None if layer is None else id(layer.keys)
 
 
+def shareable(cache) -> bool:
+    """Whether rows can read ``cache`` (a compressed context) in place: every layer a prefix."""
+    return all(SharedPrefixLayer.can_share(layer) for layer in cache.layers)
+
+
+def shared_plan(cache, rest_tokens: int, new_tokens: int, per_slot: list[int], per_vector: list[int]) -> KVPlan:
+    """The KV bytes of one row reading ``cache`` (``shareable``) in place, fed ``rest_tokens`` more
+    and generating ``new_tokens``: its own part (each token a slot, and one more where a merge copies
+    the prefix slot an eviction folds into; ``evict_every`` beside them) and its bookkeeping of the
+    context's slots; the context's keys and values are not counted (they are the context's)."""
+    per_token = 1 if cache.policy.merge is None else 2
+    own = per_token * (rest_tokens + new_tokens) + cache.evict_every
+    held = sum(own * slot + layer.token_index.shape[2] * (slot - vector)
+               for layer, slot, vector in zip(cache.layers, per_slot, per_vector))
+    return KVPlan(held, held)
+
+
 def prefix_widths(cache) -> list[int]:
     """Slots of each layer's shared prefix (``engine.shared``; 0: none), which its rows hold once."""
     return [getattr(layer, "prefix_width", 0) for layer in cache.layers]
@@ -212,9 +233,9 @@ def padded_bytes(widths: list[int], peaks: torch.Tensor, per_slot: list[int], pe
     """The most KV bytes a batch of rows with ``peaks`` (B, L) from ``peak_slots`` reaches: every
     row is as wide as the widest in each layer. ``widths``: each layer's slots now (a batch's
     tensors do not narrow when its widest row leaves); ``per_slot``: ``slot_bytes``; ``per_row``:
-    ``row_bytes``. Rows on a shared prefix (``prefix``: ``prefix_widths``) hold its keys and values
-    once (``per_vector``: their part of ``per_slot``) and its other fields each, beside their own
-    parts (``own``: ``own_peaks``)."""
+    ``row_bytes``. Rows on a shared prefix (``prefix``: ``prefix_widths``) hold its bookkeeping each
+    (``per_slot`` but ``per_vector``, the keys' and values' part) beside their own parts (``own``:
+    ``own_peaks``); its keys and values are the context's, not counted here (``shared_prefix``)."""
     if not len(peaks):
         return 0
     if prefix is None or not any(prefix):
@@ -224,4 +245,4 @@ def padded_bytes(widths: list[int], peaks: torch.Tensor, per_slot: list[int], pe
     widest = torch.maximum(own.max(0).values, torch.tensor(widths, dtype=peaks.dtype) - shared)
     per_slot, per_vector = (torch.tensor(values, dtype=peaks.dtype) for values in (per_slot, per_vector))
     row = (widest * per_slot + shared * (per_slot - per_vector)).sum() + per_row
-    return int((shared * per_vector).sum()) + len(peaks) * int(row)
+    return len(peaks) * int(row)

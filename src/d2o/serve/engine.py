@@ -33,8 +33,8 @@ from d2o.methods import get_method
 from d2o.runtime.context import compress_ids, conversation_ids
 from d2o.runtime.decoding import Batch, Sampling, Sequence
 from d2o.runtime.generation import resolve
-from d2o.runtime.memory import (over_cap, own_peaks, peak_slots, plan, prefix_identity, row_bytes, shared_prefix,
-                                slot_bytes)
+from d2o.runtime.memory import (KVPlan, over_cap, own_peaks, peak_slots, plan, prefix_identity, row_bytes,
+                                shareable, shared_plan, shared_prefix, slot_bytes)
 from d2o.runtime.prompts import check_length, encode, positions, stop_token_ids
 from d2o.serve.config import ServeConfig
 from d2o.serve.jobs import Job, Lane, stable_text
@@ -164,6 +164,8 @@ class Engine:
             if self._closing:
                 raise APIError(503, "the server is shutting down", None, "shutting_down", "server_error")
             self._promote()  # clients that gave up while waiting leave their places
+            if not self._waiting:
+                self._pin(job)
             if not self._waiting and self._reserved([*self._admitted, job]) <= self.cap:
                 self._admit(job)
             elif len(self._waiting) < self.config.max_queue:
@@ -192,20 +194,40 @@ class Engine:
     def _reserved(self, admitted) -> int:
         held = sum(job.plan.held_bytes for job in admitted)
         prefill = max((job.plan.prefill_bytes - job.plan.held_bytes for job in admitted), default=0)
-        kept = 0 if self.prefixes is None else self.prefixes.nbytes
-        return sum(self._bounds.values()) + held + max(prefill, 0) + kept - self._counted_twice()
+        return sum(self._bounds.values()) + held + max(prefill, 0) + self._prefix_bytes(admitted)
 
-    def _counted_twice(self) -> int:
-        """Bytes of kept documents' keys and values that lanes read in place, counted by the prefix
-        cache and by the lanes' bounds (or by two lanes of one document): held once."""
-        seen = set() if self.prefixes is None else {prefix_identity(c.cache) for c in self.prefixes.contexts()}
-        twice = 0
+    def _prefix_bytes(self, admitted=()) -> int:
+        """Bytes of the compressed documents held, each once: kept by the prefix cache (whole), read in
+        place by lanes (their keys and values), or counted on by ``admitted`` requests' plans."""
+        held = {} if self.prefixes is None else {prefix_identity(c.cache): c.nbytes for c in self.prefixes.contexts()}
+        for job in admitted:
+            if job.prefix is not None:
+                held.setdefault(prefix_identity(job.prefix.cache), job.prefix.nbytes)
         for lane in self._lanes:
             shared = shared_prefix(lane.batch.cache) if lane.batch.sequences else None
             if shared is not None:
-                twice += shared[1] if shared[0] in seen else 0
-                seen.add(shared[0])
-        return twice
+                held.setdefault(*shared)
+        return sum(held.values())
+
+    @staticmethod
+    def _prefix_key(job: Job) -> tuple:
+        return job.key, job.budget.min_tokens, repr(job.method)
+
+    def _shared_plan(self, job: Job, context) -> KVPlan:
+        """The job's KV bytes as its own tokens beside ``context``'s keys and values (read in place)."""
+        return shared_plan(context.cache, len(job.ids) - len(context.ids), job.sequence.max_new_tokens,
+                           slot_bytes(self.model.config, self.dtype_bytes, job.method),
+                           slot_bytes(self.model.config, self.dtype_bytes, job.method, stock=True))
+
+    def _pin(self, job: Job) -> None:
+        """Plan a request whose earlier turns are kept (to its boundary) as its own tokens beside them,
+        which it will read in place: it holds that context from now on, whatever the prefix cache
+        evicts. A request already pinned, being prefilled, or without such a prefix, is left as it is."""
+        if job.prefix is not None or job.prefilling is not None or job.boundary is None or self.prefixes is None:
+            return
+        found = self.prefixes.longest(self._prefix_key(job), job.ids, job.boundary)
+        if found is not None and len(found.ids) == job.boundary and shareable(found.cache):
+            job.prefix, job.plan = found, self._shared_plan(job, found)
 
     def _admit(self, job: Job) -> None:
         self._admitted.append(job)
@@ -218,7 +240,12 @@ class Engine:
         for gone in [job for job in self._waiting if job.cancelled]:
             self._waiting.remove(gone)
             self.stats.requests[(*gone.key, "cancelled")] += 1
-        while self._waiting and self._reserved([*self._admitted, self._waiting[0]]) <= self.cap:
+        for job in self._admitted:  # those admitted before their document was kept
+            self._pin(job)
+        while self._waiting:
+            self._pin(self._waiting[0])
+            if self._reserved([*self._admitted, self._waiting[0]]) > self.cap:
+                break
             self._admit(self._waiting.popleft())
 
     # -- the engine's thread ------------------------------------------------------------------------
@@ -295,9 +322,10 @@ class Engine:
         """The job's batch from the prefix cache: the longest kept prefix of its tokens, extended to
         its boundary (and kept there) if it has more turns, or its turns compressed and kept there
         if none is; then the rest of its prompt fed. None when it has no prefix to reuse or keep."""
-        key = (job.key, job.budget.min_tokens, repr(job.method))
+        key = self._prefix_key(job)
         limit = job.boundary if job.boundary is not None else len(job.ids) - 1
-        found = self.prefixes.longest(key, job.ids, limit)
+        with self._lock:
+            found = job.prefix or self.prefixes.longest(key, job.ids, limit)
         context = found
         if job.boundary is not None and (found is None or len(found.ids) < job.boundary):
             context = (compress_ids(self.model, self.tokenizer, job.ids[: job.boundary], job.method, job.budget,
@@ -305,7 +333,11 @@ class Engine:
                                     prefill_chunk=self.prefill_chunk)
                        if found is None else found.extend_ids(job.ids[len(found.ids): job.boundary]))
             with self._lock:
-                self.prefixes.add(key, context, self.cap - self._reserved(self._admitted))
+                # Kept, it is what the job reads in place from now on: its own plan is its part beside it.
+                others = [other for other in self._admitted if other is not job]
+                if self.prefixes.add(key, context, self.cap - self._reserved(others) - self._shared_plan(job, context)
+                                     .held_bytes):
+                    job.prefix, job.plan = context, self._shared_plan(job, context)
         with self._lock:
             if found is None:
                 self.prefixes.misses += 1
@@ -397,10 +429,9 @@ class Engine:
 
     def _record_kv(self, extra: int = 0) -> None:
         with self._lock:
-            in_use = sum(lane.batch.cache.nbytes for lane in self._lanes if lane.batch.sequences) + extra
-            if self.prefixes is not None:
-                in_use += self.prefixes.nbytes
-            self.stats.kv(in_use - self._counted_twice())
+            lanes = [lane.batch.cache for lane in self._lanes if lane.batch.sequences]
+            own = sum(cache.nbytes - (shared_prefix(cache) or (0, 0))[1] for cache in lanes)
+            self.stats.kv(own + extra + self._prefix_bytes())
 
     # -- /metrics -------------------------------------------------------------------------------------
     def metrics(self) -> dict:

@@ -44,6 +44,7 @@ class Job:
         self.sent = ""  # text streamed so far
         self.counted = 0  # tokens counted in the statistics so far
         self.boundary: int | None = None  # its earlier turns' length, where its prefix may be cached
+        self.prefix = None  # the kept context (to its boundary) it will read in place, its plan counting on it
         self.cached_tokens = 0  # of its prompt, found compressed in the prefix cache
         self.prefilling = None  # its prefill in chunks under way (``Batch.prefill_steps``), between rounds
         self.arrived = time.monotonic()
