@@ -114,6 +114,26 @@ def test_one_method_run_two_ways_pairs_across_two_folders_of_the_same_samples(mo
         compare([chunked], "a", "a", against_paths=[whole, other_seed])
 
 
+def test_runs_of_different_ruler_tasks_pair_on_the_tasks_both_ran_and_nothing_else_may_differ(tmp_path):
+    def ruler(name, tasks, method, values, length=8192):
+        lines = [(method, "0.1", f"ruler-{task}-{length}-0-{i}", value) for task in tasks for i, value in
+                 enumerate(values)]
+        return write_folder(tmp_path / name, lines, task="ruler",
+                            task_settings={"length": length, "tasks": list(tasks)})
+
+    whole = ruler("whole", ["niah_single_1", "fwe"], "a", [1, 1])
+    chunked = ruler("chunked", ["niah_single_1"], "a", [1, 0])
+    (only,) = compare([chunked], "a", "a", resamples=100, against_paths=[whole])
+    assert (only.n, only.mean, only.mean_against, only.worse) == (2, 0.5, 1.0, 1)
+    longer = ruler("longer", ["niah_single_1"], "a", [1, 0], length=4096)
+    with pytest.raises(D2OError, match="hold different samples"):
+        compare([longer], "a", "a", against_paths=[whole])
+    niah = write_folder(tmp_path / "niah", scores("a", "0.1", [1]), task_settings={"tasks": ["x"]})
+    other = write_folder(tmp_path / "niah2", scores("a", "0.1", [1]), task_settings={"tasks": ["y"]})
+    with pytest.raises(D2OError, match="hold different samples"):  # a task of no sub-tasks: any setting counts
+        compare([niah], "a", "a", against_paths=[other])
+
+
 def test_methods_without_a_common_sample_or_a_folder_eval_did_not_write_are_refused(tmp_path):
     folder = write_folder(tmp_path / "r", scores("a", "0.2", [1]) + scores("b", "0.5", [1]))
     with pytest.raises(D2OError, match="'a' and 'b' share no sample at any budget"):

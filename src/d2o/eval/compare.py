@@ -77,7 +77,9 @@ def read_folder(path: Path) -> Folder:
     task = get_task(identity["task"])
     group = (identity["task"], identity.get("protocol", "prompt"), identity.get("model"))
     lines = SampleStore(path / "samples.jsonl").read()
-    samples = (repr(identity.get("task_settings")), identity.get("seed"))
+    settings = dict(identity.get("task_settings") or {})
+    settings.pop(task.subtasks_option, None)  # the sub-tasks picked: pairs are of the samples both ran
+    samples = (repr(settings), identity.get("seed"))
     return Folder(path, group, samples, task.higher_is_better, task.name == "perplexity", lines)
 
 

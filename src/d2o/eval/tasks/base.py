@@ -37,6 +37,9 @@ class Task:
     metrics: ClassVar[tuple[str, ...]] = ("score",)
     higher_is_better: ClassVar[bool] = True
     asks: ClassVar[bool] = True  # its samples end in a question (that --protocol context can keep out)
+    # The option that picks sub-tasks each drawing its samples alone (their ids name it), if any: runs
+    # of different picks hold the same samples of the sub-tasks both ran (``d2o compare`` pairs them).
+    subtasks_option: ClassVar[str | None] = None
 
     def samples(self, tokenizer, limit: int | None, seed: int) -> list[Sample]:
         raise NotImplementedError

@@ -103,6 +103,7 @@ class Ruler(Task):
 
     name = "ruler"
     summary = "RULER's 13 tasks (NIAH x8, variable tracking, common/frequent words, QA x2); string match"
+    subtasks_option = "tasks"  # each task's samples come from a generator of its own, seeded alike
 
     length: int = 4096
     tasks: tuple[str, ...] = tuple(TASKS)
