@@ -13,8 +13,11 @@ same key may run in more than one lane, when joining would not fit. Requests on 
 Admission: a request is admitted when everything already admitted, at most, plus this request's
 prefill and its budgeted cache fit under the cap. A lane is reserved at ``padded_bytes``: its rows
 share one tensor per layer as wide as the widest row, so a short row beside a long one costs the
-long one's width (a shared document's keys and values counted once). An admitted request not yet prefilled reserves its ``plan``'s held bytes, and
-the one prefill running at a time its whole prompt. Requests that do not fit wait in a bounded
+long one's width. An admitted request not yet prefilled reserves its ``plan``'s held bytes, and
+the one prefill running at a time its whole prompt; a request whose earlier turns are kept is
+planned as its own tokens beside them (``shared_plan``) and holds that context from then on. Each
+compressed document counts once, whether kept, read by lanes or counted on by admitted requests
+(``_prefix_bytes``). Requests that do not fit wait in a bounded
 queue, first come first served (none overtakes the head, so a large request is not starved);
 beyond the queue, HTTP 503. A request that could not fit even alone is refused at once.
 """
