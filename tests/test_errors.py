@@ -239,6 +239,9 @@ def test_a_model_folder_whose_weights_are_cut_or_fit_another_config(monkeypatch,
     (["bench", "fit", "--kv-memory", "1GB", "--prefill-chunk", "0"], "prefill_chunk must be at least 1, got 0"),
     (["bench", "prefill", "--chunks", "512,0"], "chunks must be at least 1, got 0"),
     (["bench", "prefill", "--chunks", "512,512"], "512 given twice in chunks"),
+    (["bench", "serve", "--prefix-sharing", "shared"], "--prefix-sharing 'shared': in-place, copied, or both"),
+    (["bench", "ask", "--questions", "9"], "--questions 9: NIAH has 8 needles"),
+    (["bench", "ask", "--methods", "full,d2o"], "'full' compresses nothing"),
 ])
 def test_bad_input_fails_before_torch_loads(args, message):
     """Checked at the front door: one line, exit code 2, and neither torch nor a model was loaded."""

@@ -671,6 +671,8 @@ def bench_serve(
     evict_every: int = typer.Option(1, help=BENCH_EVICT_HELP),
     prefill_chunk: str = typer.Option("0", help="Comma-separated --prefill-chunk sizes, each run in turn (0: whole), "
                                       "e.g. 0,512."),
+    prefix_sharing: str = typer.Option("in-place", help="With a prefix cache: requests read a kept document "
+                                       "in-place, or each holds a copy (copied); in-place,copied runs both."),
     out: Optional[Path] = typer.Option(None, help="Write the rows as JSON to this file."),
 ):
     """Requests/s, tokens/s, latency and time to first token of a server per method, same KV memory."""
@@ -687,6 +689,9 @@ def bench_serve(
     if not chunks or min(chunks) < 0:
         raise D2OError(f"--prefill-chunk {prefill_chunk!r}: chunk sizes >= 1, or 0 for a prefill whole")
     chunks = tuple(chunk or None for chunk in chunks)
+    sharing = distinct(split_list(prefix_sharing), "prefix-sharing values")
+    if not sharing or not set(sharing) <= {"in-place", "copied"}:
+        raise D2OError(f"--prefix-sharing {prefix_sharing!r}: in-place, copied, or both (comma-separated)")
     if any(size >= cap for size in prefix_sizes):
         raise D2OError(f"a --prefix-cache size is part of --kv-memory ({cap:,} bytes) and must be smaller")
     if not names:
@@ -713,7 +718,8 @@ def bench_serve(
             raise D2OError(f"--kv-memory {kv_memory} holds not one {prompt_tokens} + {max_tokens}-token request "
                            f"under {name}{f' in chunks of {chunk}' if chunk else ''} (it needs {need:,} bytes)")
     rows = run(net, tokenizer, [(name, budget) for name in names], cap, clients, requests, prompt_tokens, max_tokens,
-               min_tokens, workload, documents, questions, prefix_sizes, evict_every, chunks)
+               min_tokens, workload, documents, questions, prefix_sizes, evict_every, chunks,
+               tuple(value == "in-place" for value in sharing))
     print(markdown(rows))
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -155,18 +155,23 @@ def bench_serve(model, tokenizer, methods: list[tuple[str, str]], kv_memory: int
                 requests: int = 16, prompt_tokens: int = 1000, max_tokens: int = 64,
                 min_tokens: int | None = None, kind: str = "prompts", documents: int = 4, questions: int = 8,
                 prefix_cache: tuple[int, ...] = (0,), evict_every: int = 1,
-                prefill_chunks: tuple[int | None, ...] = (None,)) -> list[dict]:
-    """One row per (method, budget, prefix cache bytes, prefill chunk): throughput, latency, memory
-    and (documents, chat) the answers' score under ``kv_memory``; the servers evict in batches of
-    ``evict_every`` steps and prefill whole (None) or in chunks of each of ``prefill_chunks``."""
+                prefill_chunks: tuple[int | None, ...] = (None,), sharing: tuple[bool, ...] = (True,)) -> list[dict]:
+    """One row per (method, budget, prefix cache bytes, prefill chunk, prefix sharing): throughput,
+    latency, memory and (documents, chat) the answers' score under ``kv_memory``; the servers evict
+    in batches of ``evict_every`` steps, prefill whole (None) or in chunks of each of
+    ``prefill_chunks``, and with a prefix cache let requests read a kept document in place (True)
+    or copy it (False), each of ``sharing``."""
     conversations = workload(tokenizer, kind, requests, prompt_tokens, documents, questions)
     generate(model, tokenizer, "Hello", "full", 1.0, max_new_tokens=2)  # warm up, outside the timings
     rows = []
     for method, budget in methods:
-        for prefix_bytes, chunk in [(size, chunk) for size in prefix_cache for chunk in prefill_chunks]:
+        runs = [(size, chunk, shared) for size in prefix_cache for chunk in prefill_chunks
+                for shared in (sharing if size else (True,))]
+        for prefix_bytes, chunk, shared in runs:
             config = ServeConfig(method=method, budget=budget, min_tokens=min_tokens, kv_memory=kv_memory,
                                  max_queue=max(requests, len(conversations) * questions),
-                                 prefix_cache_memory=prefix_bytes, evict_every=evict_every, prefill_chunk=chunk)
+                                 prefix_cache_memory=prefix_bytes, evict_every=evict_every, prefill_chunk=chunk,
+                                 share_prefixes=shared)
             engine = Engine(model, tokenizer, config)
             queue = [replace(c, method=method, budget=budget) for c in conversations]
             try:
@@ -175,12 +180,13 @@ def bench_serve(model, tokenizer, methods: list[tuple[str, str]], kv_memory: int
                     metrics = httpx.get(url + "/metrics").text
             finally:
                 engine.close()
-            rows.append(row(method, budget, prefix_bytes, chunk, kv_memory, clients, records, seconds, metrics))
+            rows.append(row(method, budget, prefix_bytes, chunk, kv_memory, clients, records, seconds, metrics,
+                            shared))
     return rows
 
 
 def row(method: str, budget: str, prefix_bytes: int, chunk: int | None, kv_memory: int, clients: int,
-        records: list[dict], seconds: float, metrics: str) -> dict:
+        records: list[dict], seconds: float, metrics: str, shared: bool = True) -> dict:
     done = [r for r in records if r["status"] == 200]
     latency, ttft = [r["latency"] for r in done], [r["ttft"] for r in done]
     follow_ups = [r["ttft"] for r in done if r["follow_up"]]
@@ -189,7 +195,9 @@ def row(method: str, budget: str, prefix_bytes: int, chunk: int | None, kv_memor
     gaps = [gap for r in done for gap in r["gaps"]]
     return {
         "method": method, "budget": budget if method != "full" else "1",
-        "prefix_cache_mb": round(prefix_bytes / 1e6), "prefill_chunk": chunk or "whole",
+        "prefix_cache_mb": round(prefix_bytes / 1e6),
+        "prefix_sharing": ("in place" if shared else "copied") if prefix_bytes else "-",
+        "prefill_chunk": chunk or "whole",
         "kv_memory_mb": round(kv_memory / 1e6), "clients": clients,
         "requests": len(records), "answered": len(done), "fit_at_once": int(_metric(metrics, "d2o_kv_fit_requests{")),
         "peak_running": int(_metric(metrics, "d2o_requests_running_peak")),

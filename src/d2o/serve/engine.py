@@ -226,7 +226,8 @@ class Engine:
         """Plan a request whose earlier turns are kept (to its boundary) as its own tokens beside them,
         which it will read in place: it holds that context from now on, whatever the prefix cache
         evicts. A request already pinned, being prefilled, or without such a prefix, is left as it is."""
-        if job.prefix is not None or job.prefilling is not None or job.boundary is None or self.prefixes is None:
+        if job.prefix is not None or job.prefilling is not None or job.boundary is None or self.prefixes is None \
+                or not self.config.share_prefixes:
             return
         found = self.prefixes.longest(self._prefix_key(job), job.ids, job.boundary)
         if found is not None and len(found.ids) == job.boundary and shareable(found.cache):
@@ -338,9 +339,10 @@ class Engine:
             with self._lock:
                 # Kept, it is what the job reads in place from now on: its own plan is its part beside it.
                 others = [other for other in self._admitted if other is not job]
-                if self.prefixes.add(key, context, self.cap - self._reserved(others) - self._shared_plan(job, context)
-                                     .held_bytes):
-                    job.prefix, job.plan = context, self._shared_plan(job, context)
+                shared = self._shared_plan(job, context) if self.config.share_prefixes else job.plan
+                if self.prefixes.add(key, context, self.cap - self._reserved(others) - shared.held_bytes) and \
+                        self.config.share_prefixes:
+                    job.prefix, job.plan = context, shared
         with self._lock:
             if found is None:
                 self.prefixes.misses += 1
@@ -350,7 +352,7 @@ class Engine:
         if context is None:
             return None
         job.cached_tokens = 0 if found is None else len(found.ids)
-        return context.answer_batch([job.ids[len(context.ids):]], [job.sequence])
+        return context.answer_batch([job.ids[len(context.ids):]], [job.sequence], self.config.share_prefixes)
 
     def _fail_all(self, error: Exception) -> None:
         with self._lock:
