@@ -337,12 +337,13 @@ class Engine:
                                     prefill_chunk=self.prefill_chunk)
                        if found is None else found.extend_ids(job.ids[len(found.ids): job.boundary]))
             with self._lock:
-                # Kept, it is what the job reads in place from now on: its own plan is its part beside it.
-                others = [other for other in self._admitted if other is not job]
-                shared = self._shared_plan(job, context) if self.config.share_prefixes else job.plan
-                if self.prefixes.add(key, context, self.cap - self._reserved(others) - shared.held_bytes) and \
-                        self.config.share_prefixes:
-                    job.prefix, job.plan = context, shared
+                if not self.config.share_prefixes:  # the job's copy comes beside the kept context
+                    self.prefixes.add(key, context, self.cap - self._reserved(self._admitted))
+                else:  # kept, the job reads it in place from then on: its own plan is its part beside it
+                    shared = self._shared_plan(job, context)
+                    others = [other for other in self._admitted if other is not job]
+                    if self.prefixes.add(key, context, self.cap - self._reserved(others) - shared.held_bytes):
+                        job.prefix, job.plan = context, shared
         with self._lock:
             if found is None:
                 self.prefixes.misses += 1
