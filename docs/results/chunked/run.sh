@@ -26,3 +26,9 @@ $D2O eval $N $B --methods full,d2o-plus-words,d2o-novelty --out "$OUT/niah-8192-
 $D2O eval $N $B --methods d2o-plus-words,d2o-novelty $C --out "$OUT/niah-8192-chunk1024"
 $D2O eval $N $B --protocol context --methods full,d2o-novelty --out "$OUT/niah-8192-context-whole"
 $D2O eval $N $B --protocol context --methods d2o-novelty $C --out "$OUT/niah-8192-context-chunk1024"
+# RULER's needle tasks at 8,192 tokens the full cache answers on Gemma 3 (4 prompts each), at 10% and
+# 25%, beside their committed rows prefilled whole (docs/results/ruler/gemma3-8k-prompt, -context).
+R="--model gemma3-270m --seed 0 --task ruler --task-option length=8192 --limit 4 --budgets 0.1,0.25 $C"
+R="$R --task-option tasks=niah_single_1,niah_single_2,niah_multikey_1"
+$D2O eval $R --methods d2o-plus-words --out "$OUT/ruler-8192-chunk1024"
+$D2O eval $R --protocol context --methods d2o-novelty --out "$OUT/ruler-8192-context-chunk1024"
