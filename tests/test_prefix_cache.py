@@ -109,7 +109,7 @@ def test_eight_concurrent_questions_on_a_kept_document_hold_it_once(real_model):
     hold them once (the gauge counts what the prefix cache and the lane share once), beside their own
     tokens, and each answers as the library does."""
     model, tokenizer = real_model
-    document = [{"role": "system", "content": "Answer from this document.\n\n" + essay(tokenizer, 1400)}]
+    document = [{"role": "system", "content": "Answer from this document.\n\n" + essay(tokenizer, 700)}]
     questions = [{"role": "user", "content": f"What does part {i + 1} of the document say{'?' * (i + 1)}"}
                  for i in range(8)]
     context = compress(model, tokenizer, document, "d2o-novelty", 0.2, chat=True)
@@ -128,9 +128,9 @@ def test_eight_concurrent_questions_on_a_kept_document_hold_it_once(real_model):
     assert all(a.usage.prompt_tokens_details.cached_tokens == len(context.ids) for a in answers)
     assert max(v for k, v in values.items() if k.startswith("d2o_requests_running_peak")) == 8
     # The document once, beside each request's own tokens and its bookkeeping of the document's slots
-    # (what admission reserves for it, and one more request's while it is fed): a third of 8 copies.
+    # (what admission reserves for it, and one more request's while it is fed): under half of 8 copies.
     assert values["d2o_kv_bytes_peak"] <= kept + sum(plans) + max(plans)
-    assert values["d2o_kv_bytes_peak"] < 0.4 * 8 * kept
+    assert values["d2o_kv_bytes_peak"] < 0.5 * 8 * kept
 
 
 def test_a_server_told_to_copy_kept_documents_answers_alike(real_model):
