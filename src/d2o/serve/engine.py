@@ -337,7 +337,7 @@ class Engine:
                                     prefill_chunk=self.prefill_chunk)
                        if found is None else found.extend_ids(job.ids[len(found.ids): job.boundary]))
             with self._lock:
-                if not self.config.share_prefixes:  # the job's copy comes beside the kept context
+                if not (self.config.share_prefixes and shareable(context.cache)):  # its copy comes beside it
                     self.prefixes.add(key, context, self.cap - self._reserved(self._admitted))
                 else:  # kept, the job reads it in place from then on: its own plan is its part beside it
                     shared = self._shared_plan(job, context)
