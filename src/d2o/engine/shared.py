@@ -99,7 +99,7 @@ class SharedPrefixLayer(CompressedLayer):
         self._open = None
 
     def _take_vectors(self, take, vectors: tuple[str, ...]) -> dict[str, torch.Tensor]:
-        return dict(zip(VECTORS, (take(tensor) for tensor in self.attended()))) if vectors else {}
+        return {name: take(tensor) for name, tensor in zip(VECTORS, self.attended()) if name in vectors}
 
     def keep(self, keep: torch.Tensor, keep_valid: torch.Tensor, slack: int = 0) -> None:
         """``CompressedLayer.keep`` that leaves the prefix's slots in place, emptying those not kept,
