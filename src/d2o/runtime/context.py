@@ -1,9 +1,10 @@
 """Compress once, answer many: a compressed context that any number of questions are asked of.
 
 ``compress`` prefills a context (a document, a conversation's earlier turns) and compresses it
-to a budget without any question in sight; ``CompressedContext.ask`` feeds each question to its
-own copy of that state (key/value tensors shared, never written in place) and decodes, so a
-question never sees another's tokens and asking never changes the context. This is the
+to a budget without any question in sight; ``CompressedContext.ask`` feeds each question to a
+cache of its own that reads the context's keys and values in place (``engine.shared``: never
+written, held once by the questions' batch) and decodes, so a question never sees another's
+tokens and asking never changes the context. This is the
 evaluation's ``--protocol context``, and the server's compressed prefixes, paid for once.
 
 A context is saved to one safetensors file: the layers' tensors, and beside them (in its
