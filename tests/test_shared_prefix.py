@@ -123,7 +123,8 @@ def test_rows_on_a_shared_prefix_stay_within_their_padded_bound_which_counts_it_
     batch, _, _ = asked(context, shared=True, steps=steps)
     chosen = d2o.get_method(method)
     per_slot, per_vector = slot_bytes(model.config, 4, chosen), slot_bytes(model.config, 4, chosen, stock=True)
-    peaks, own = peak_slots(batch.cache, steps), own_peaks(batch.cache, steps)
+    peaks = peak_slots(batch.cache, steps)
+    own = own_peaks(batch.cache, steps, peaks)
 
     def bound(rows):  # the rows' own parts and bookkeeping, and the context's keys and values once
         return padded_bytes(slot_widths(batch.cache), peaks[rows], per_slot, 0, prefix_widths(batch.cache),
@@ -135,8 +136,9 @@ def test_rows_on_a_shared_prefix_stay_within_their_padded_bound_which_counts_it_
     for question in QUESTIONS:
         alone = context.answer_batch([context.question_ids(question)], [Sequence(context.tokenizer, steps)])
         planned = shared_plan(context.cache, len(context.question_ids(question)), steps, per_slot, per_vector)
-        assert padded_bytes(slot_widths(alone.cache), peak_slots(alone.cache, steps), per_slot, 0,
-                            prefix_widths(alone.cache), per_vector, own_peaks(alone.cache, steps)) <= planned.held_bytes
+        its_peaks = peak_slots(alone.cache, steps)
+        assert padded_bytes(slot_widths(alone.cache), its_peaks, per_slot, 0, prefix_widths(alone.cache), per_vector,
+                            own_peaks(alone.cache, steps, its_peaks)) <= planned.held_bytes
     copied, _, _ = asked(context, shared=False, steps=steps)
     assert limit < padded_bytes(slot_widths(copied.cache), peak_slots(copied.cache, steps), per_slot)
     for step in range(steps - 1):

@@ -15,9 +15,9 @@ from __future__ import annotations
 import time
 
 from d2o.budget import Budget
-from d2o.engine.model_facts import head_dim
 from d2o.runtime.context import compress
 from d2o.runtime.decoding import Sequence
+from d2o.runtime.memory import slot_bytes
 
 
 def document(tokenizer, length: int, questions: int) -> tuple[str, list[str], list[str]]:
@@ -56,13 +56,12 @@ def _answer(context, ids: list[list[int]], max_tokens: int, shared: bool) -> dic
 def bench_ask(model, tokenizer, methods: list[str], budget: Budget, length: int = 1500, questions: int = 8,
               max_tokens: int = 16) -> list[dict]:
     text, asked, golds = document(tokenizer, length, questions)
-    config = model.config.get_text_config()
-    # Keys and values of one token in every layer (the model's dtype): what a row's own token holds.
-    token_bytes = config.num_hidden_layers * config.num_key_value_heads * 2 * head_dim(config) * \
-        next(model.parameters()).element_size()
     rows = []
     for method in methods:
         context = compress(model, tokenizer, text, method, budget, chat=True)
+        # Keys and values of one token in every layer (the model's dtype): what a row's own token holds.
+        token_bytes = sum(slot_bytes(model.config, next(model.parameters()).element_size(), context.method,
+                                     stock=True))
         ids = [context.question_ids(question) for question in asked]
         document_bytes = context.report.kv_bytes
         copied, shared = (_answer(context, ids, max_tokens, share) for share in (False, True))

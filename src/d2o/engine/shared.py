@@ -30,6 +30,20 @@ from d2o.errors import D2OError
 VECTORS = ("keys", "values")
 
 
+def _marked(slots: torch.Tensor, where: torch.Tensor, width: int) -> torch.Tensor:
+    """(B, G, ``width``) bool: True at the ``slots`` (B, G, K) where ``where`` (the others go to a spare
+    slot past the end)."""
+    marked = torch.zeros((*slots.shape[:2], width + 1), dtype=torch.bool, device=slots.device)
+    return marked.scatter_(2, torch.where(where, slots, width), True)[:, :, :width]
+
+
+def _ordered(where: torch.Tensor, values: torch.Tensor, end: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row and head the ``values`` (slots below ``end``) where ``where``, in increasing order, the
+    first ``count`` (B, G, count), and which of them are real (``end`` fills the rest)."""
+    order = torch.where(where, values, end).sort(-1).values[..., :count]
+    return order, order < end
+
+
 class SharedPrefixLayer(CompressedLayer):
     """A ``CompressedLayer`` whose first ``prefix_width`` slots read ``prefix`` (see the module)."""
 
@@ -107,20 +121,17 @@ class SharedPrefixLayer(CompressedLayer):
         most) with ``slack`` empty ones after them."""
         width = self.prefix_width
         kept = keep_valid[:, None, :].expand_as(keep)
-        in_prefix = kept & (keep < width)
-        held = torch.zeros((*keep.shape[:2], width + 1), dtype=torch.bool, device=keep.device)
-        held = held.scatter_(2, torch.where(in_prefix, keep, width), True)[:, :, :width]
-        prefix_part = self.slots.narrow(0, width).emptied(~held)
+        prefix_part = self.slots.narrow(0, width).emptied(~_marked(keep, kept & (keep < width), width))
         own = kept & (keep >= width)
-        order = torch.where(own, keep - width, self.own_width).sort(-1).values[..., :int(own.sum(-1).max())]
-        own_table = SlotTable(self.slots.vectors, *self._own_bookkeeping())
-        own_part = own_table.take(order.clamp_max(max(self.own_width - 1, 0)), order < self.own_width, slack)
+        order, valid = _ordered(own, keep - width, self.own_width, int(own.sum(-1).max()))
+        own_part = self._own_part().take(order.clamp_max(max(self.own_width - 1, 0)), valid, slack)
         self._set(prefix_part.beside(own_part))
         self.owns_storage, self.vacancies = True, None
 
-    def _own_bookkeeping(self) -> tuple:
+    def _own_part(self) -> SlotTable:
+        """The own part's slots: its vectors and (views of) its bookkeeping."""
         own = self.slots.narrow(self.prefix_width, self.slots.width)
-        return own.token_index, own.log_weight, own.state
+        return SlotTable(self.slots.vectors, own.token_index, own.log_weight, own.state)
 
     def apply_merged(self, merged: Merged) -> None:
         """Counts, weights and state as any layer; new vectors into the own part, a prefix slot's
@@ -150,9 +161,7 @@ class SharedPrefixLayer(CompressedLayer):
         changed = torch.ones_like(slots, dtype=torch.bool) if merged.changed is None else merged.changed != 0
         in_prefix = changed & (slots < width)
         if bool(in_prefix.any()):
-            moving = torch.zeros_like(self.slots.token_index[:, :, :width + 1], dtype=torch.bool)
-            moving = moving.scatter_(2, torch.where(in_prefix, slots, width), True)[:, :, :width]
-            moved_to = self._unshare(moving, {})
+            moved_to = self._unshare(_marked(slots, in_prefix, width), {})
             slots = torch.where(in_prefix, moved_to.gather(2, slots.clamp_max(width - 1)), slots)
         writing = changed & (slots >= width)
         if not bool(writing.any()):
@@ -175,9 +184,9 @@ class SharedPrefixLayer(CompressedLayer):
         fullest, width = int(own.sum(-1).max()), own.shape[2]
         if width <= fullest + room:
             return
-        order = torch.where(own, torch.arange(width, device=own.device), width).sort(-1).values[..., :fullest + room]
-        part = SlotTable(self.slots.vectors, *self._own_bookkeeping()).take(order.clamp_max(width - 1), order < width)
-        self._set(self.slots.narrow(0, self.prefix_width).beside(part))
+        order, valid = _ordered(own, torch.arange(width, device=own.device), width, fullest + room)
+        self._set(self.slots.narrow(0, self.prefix_width).beside(self._own_part().take(order.clamp_max(width - 1),
+                                                                                       valid)))
 
     def _unshare(self, moving: torch.Tensor, vectors: dict[str, torch.Tensor]) -> torch.Tensor | None:
         """Move the prefix slots ``moving`` (B, G, P) of each row and head into new slots of its own
@@ -188,9 +197,7 @@ class SharedPrefixLayer(CompressedLayer):
         count = int(moving.sum(-1).max())
         if count == 0:
             return None
-        positions = torch.arange(width, device=moving.device)
-        order = torch.where(moving, positions, width).sort(-1).values[..., :count]  # (B, G, count)
-        valid = order < width
+        order, valid = _ordered(moving, torch.arange(width, device=moving.device), width, count)  # (B, G, count)
         source = order.clamp_max(width - 1)
         batch = table.token_index.shape[0]
         taken = {name: take_slots(vectors.get(name, self.prefix[name].expand(batch, -1, -1, -1)), source)
@@ -198,7 +205,7 @@ class SharedPrefixLayer(CompressedLayer):
         bookkeeping = table.narrow(0, width)
         moved = bookkeeping.take(source, valid)  # their token indices, weights and state; then their vectors
         moved = SlotTable(taken, moved.token_index, moved.log_weight, moved.state).emptied(~valid)
-        own_part = SlotTable(table.vectors, *self._own_bookkeeping())
+        own_part = self._own_part()
         self._set(bookkeeping.emptied(moving).beside(own_part.beside(moved)))
         # Where each moved slot went: after the own part, in the order taken (an index past the prefix
         # takes the rows and heads that moved fewer).

@@ -191,13 +191,18 @@ def shareable(cache) -> bool:
     return all(SharedPrefixLayer.can_share(layer) for layer in cache.layers)
 
 
+def _own_slots_per_token(cache) -> int:
+    """Slots a row's own part beside a shared prefix gains per token fed: its own, and one more where a
+    merge copies the prefix slot an eviction folds into (``SharedPrefixLayer``)."""
+    return 1 if cache.policy.merge is None else 2
+
+
 def shared_plan(cache, rest_tokens: int, new_tokens: int, per_slot: list[int], per_vector: list[int]) -> KVPlan:
     """The KV bytes of one row reading ``cache`` (``shareable``) in place, fed ``rest_tokens`` more
-    and generating ``new_tokens``: its own part (each token a slot, and one more where a merge copies
-    the prefix slot an eviction folds into; ``evict_every`` beside them) and its bookkeeping of the
-    context's slots; the context's keys and values are not counted (they are the context's)."""
-    per_token = 1 if cache.policy.merge is None else 2
-    own = per_token * (rest_tokens + new_tokens) + cache.evict_every
+    and generating ``new_tokens``: its own part (``_own_slots_per_token`` per token, ``evict_every``
+    beside them) and its bookkeeping of the context's slots; the context's keys and values are not
+    counted (they are the context's)."""
+    own = _own_slots_per_token(cache) * (rest_tokens + new_tokens) + cache.evict_every
     held = sum(own * slot + layer.token_index.shape[2] * (slot - vector)
                for layer, slot, vector in zip(cache.layers, per_slot, per_vector))
     return KVPlan(held, held)
@@ -208,14 +213,13 @@ def prefix_widths(cache) -> list[int]:
     return [getattr(layer, "prefix_width", 0) for layer in cache.layers]
 
 
-def own_peaks(cache, new_tokens: int) -> torch.Tensor:
+def own_peaks(cache, new_tokens: int, peaks: torch.Tensor) -> torch.Tensor:
     """(B, L): the most slots each row's own part beside a shared prefix (``engine.shared``; 0 in a
-    layer without one) spans while it is fed up to ``new_tokens`` more tokens. Each new token adds
-    one slot, and one more where a merge copies the prefix slot it changes; a row never holds more
-    than its peak (``peak_slots``); the part is at most ``evict_every`` slots wider than its fullest
-    KV head (``SharedPrefixLayer``)."""
-    peaks = peak_slots(cache, new_tokens)
-    per_token = 1 if cache.policy.merge is None else 2
+    layer without one) spans while it is fed up to ``new_tokens`` more tokens: it grows by
+    ``_own_slots_per_token`` per token, a row never holds more than its ``peaks`` (``peak_slots``
+    for as many tokens), and the part is at most ``evict_every`` slots wider than its fullest KV head
+    (``SharedPrefixLayer``)."""
+    per_token = _own_slots_per_token(cache)
     columns = []
     for layer, peak in zip(cache.layers, peaks.unbind(1)):
         width = getattr(layer, "prefix_width", None)

@@ -292,8 +292,8 @@ class Engine:
                 if batch is None:  # more chunks to come, in the next rounds
                     return
                 job.prefilling = None
-            job.peaks = peak_slots(batch.cache, job.sequence.max_new_tokens)[0]
-            job.own = own_peaks(batch.cache, job.sequence.max_new_tokens)[0]
+            peaks = peak_slots(batch.cache, job.sequence.max_new_tokens)
+            job.peaks, job.own = peaks[0], own_peaks(batch.cache, job.sequence.max_new_tokens, peaks)[0]
         except D2OError as error:  # e.g. a ratio too small for a short prompt without a floor
             job.prefilling = None
             return self._settle(job, APIError(400, str(error), "kv_budget"), "failed")
