@@ -156,6 +156,16 @@ def test_the_budget_sized_full_cache_holds_the_prompts_last_tokens_the_budget_ke
     assert sized["kv_vs_full"] == pytest.approx((100 + steps) / (400 + steps), abs=1e-3)
 
 
+def test_decode_runs_each_method_that_takes_it_with_adaptive_heads_too(tiny):
+    """snapkv with each KV head its own count: a row of its own, the same pairs held as the even
+    layout's (batch 1); h2o evicts while decoding, so it runs even only."""
+    rows = bench_decode(tiny, None, ["full", "snapkv", "h2o"], [200], [1], Budget(ratio=0.3, min_tokens=0), steps=3,
+                        heads=("even", "adaptive"))
+    found = {(row["method"], row["heads"]): row for row in rows}
+    assert sorted(found) == [("full", "-"), ("h2o", "even"), ("snapkv", "adaptive"), ("snapkv", "even")]
+    assert found["snapkv", "adaptive"]["kv_mib"] == found["snapkv", "even"]["kv_mib"]
+
+
 def test_the_gpu_script_runs_on_the_cpu(tmp_path):
     """benchmarks/gpu.sh with a tiny shape: the same commands and files as on a GPU."""
     env = {**os.environ, "SHAPE": "tiny", "DEVICE": "cpu", "DTYPE": "float32", "PROMPT": "64", "GENERATE": "64",

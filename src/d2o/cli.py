@@ -18,7 +18,7 @@ import typer
 from d2o.bench import FIT_MAX_BATCH, SERVE_WORKLOADS, check_fit_generate
 from d2o.budget import EVICT_EVERY, Budget, parse_budgets
 from d2o.errors import D2OError
-from d2o.options import check_kv_bits, distinct, option_texts, parse_bytes, parse_options, split_list
+from d2o.options import HEADS, check_kv_bits, distinct, option_texts, parse_bytes, parse_options, split_list
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Long-context inference under a KV-cache budget.")
 bench_app = typer.Typer(no_args_is_help=True, help="Speed and memory, measured side by side in one run.")
@@ -510,6 +510,8 @@ def bench_decode(
                                 "8, 4 or 2 bits, each a run (none: the model's dtype)."),
     budget_sized_full: bool = typer.Option(False, help="Also the full cache over the prompt's last tokens, as many "
                                            "as the budget keeps: the least a step costs with a cache of that size."),
+    heads: str = typer.Option("even", help="Comma-separated: even, adaptive (each KV head its own count: the methods "
+                              "that compress once), each a run."),
     model: str = MODEL, shape: Optional[str] = SHAPE, positions: Optional[int] = POSITIONS,
     dtype: str = DTYPE, device: Optional[str] = DEVICE, out: Path = OUT,
 ):
@@ -520,6 +522,8 @@ def bench_decode(
     batches, every = split_list(batch, int), distinct(tuple(split_list(evict_every, int)), "evict-every values")
     at_least_one(lengths=sizes, batch=batches, steps=steps, repeats=repeats, evict_every=every)
     widths = kv_bits_list(kv_bits)
+    ways = distinct(tuple(split_list(heads)), "heads values")
+    check_heads(ways)
     check_device(device)
     check_shape(model, shape, positions)
     check_out(out)
@@ -530,9 +534,10 @@ def bench_decode(
 
     net, tokenizer = bench_model(model, shape, positions or max(sizes) + steps + 1, dtype, device, names, parsed)
     rows = run(net, tokenizer, names, sizes, batches, parsed, steps, repeats, evict_every=every, kv_bits=widths,
-               budget_sized_full=budget_sized_full)
+               budget_sized_full=budget_sized_full, heads=ways)
     setting = dict(model=shape or model, dtype=dtype, budget=str(parsed), min_tokens=parsed.min_tokens, steps=steps,
-                   repeats=repeats, evict_every=list(every), kv_bits=list(widths), budget_sized_full=budget_sized_full)
+                   repeats=repeats, evict_every=list(every), kv_bits=list(widths), budget_sized_full=budget_sized_full,
+                   heads=list(ways))
     window = math.lcm(*every)
     emit(rows, f"Decoding: {shape or model}, {dtype}, budget {parsed.described}, {repeats} x {steps} steps, median of "
          f"the mean step per {window} step{'s' * (window > 1)}", "decode", out, setting)
@@ -791,6 +796,12 @@ def bench_soak(
         out.write_text(json.dumps(report, indent=1) + "\n")
     if not report["ok"]:
         raise typer.Exit(1)
+
+
+def check_heads(ways: tuple[str, ...]) -> None:
+    for way in ways:
+        if way not in HEADS:
+            raise D2OError(f"--heads {way!r} must be one of {', '.join(HEADS)}")
 
 
 def kv_bits_list(text: str) -> tuple[int | None, ...]:

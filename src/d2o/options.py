@@ -111,3 +111,6 @@ def check_kv_bits(bits) -> int | None:
     if value not in KV_BITS or (isinstance(bits, float) and bits != value):
         raise D2OError(f"kv_bits={bits!r}: keys and values are stored at 8, 4 or 2 bits (or none: the model's dtype)")
     return value
+
+
+HEADS = ("even", "adaptive")  # how a method shares a layer's budget among its KV heads (its ``heads`` option)

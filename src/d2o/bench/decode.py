@@ -107,10 +107,19 @@ def _decode_in_turn(model, runs: dict[tuple[str, int], Batch]) -> None:
         order.reverse()
 
 
+def takes_adaptive_heads(name: str) -> bool:
+    """Whether method ``name`` takes ``heads=adaptive`` (it compresses once and merges nothing)."""
+    try:
+        get_method(name, heads="adaptive")
+    except D2OError:
+        return False
+    return True
+
+
 def bench_decode(model, tokenizer, methods: list[str], lengths: list[int], batches: list[int], budget,
                  steps: int = 32, repeats: int = 1, alone: bool | None = None,
                  evict_every: tuple[int, ...] = (1,), kv_bits: tuple[int | None, ...] = (None,),
-                 budget_sized_full: bool = False) -> list[dict]:
+                 budget_sized_full: bool = False, heads: tuple[str, ...] = ("even",)) -> list[dict]:
     """Per (length, batch, method): ms per decode step, tokens/s, KV bytes, the tensor operations of
     one decode step (counted apart from the timed runs; with ``steps`` >= 4), and each against the
     full cache measured in the same run. ``alone``: each method decodes alone, its peak memory
@@ -118,9 +127,11 @@ def bench_decode(model, tokenizer, methods: list[str], lengths: list[int], batch
     ``evict_every``, ``kv_bits``: each compressed method runs once per pair of values (``CompressedCache``'s;
     ``kv_bits`` None: unquantized). ``budget_sized_full``: also a row of the full cache over the
     prompt's last ``budget.total(layers, length) / layers`` tokens (its KV and time against the full
-    cache's are the floor a compressed cache of that size can reach)."""
-    policies = {name: get_method(name) for name in methods if name != FULL}
-    for name, policy in policies.items():
+    cache's are the floor a compressed cache of that size can reach). ``heads``: each method that
+    takes it runs once per value of its ``heads`` option (even, adaptive)."""
+    policies = {(name, way): get_method(name, heads=way) for name in methods if name != FULL
+                for way in heads if way == "even" or takes_adaptive_heads(name)}
+    for (name, _), policy in policies.items():
         policy.check_budget(budget)
         if policy.repeats_kv_heads:
             raise D2OError(f"{name} stores KV heads per query head and cannot share a prefill: bench it with full only")
@@ -145,17 +156,18 @@ def bench_decode(model, tokenizer, methods: list[str], lengths: list[int], batch
             shared = SharedPrefill(model, list(policies.values()))
             first = Batch.prefill(model, shared.cache, [ids], [Sequence(None, 1)])
         names = list(policies)
-        variants = [(name, k, bits) for name in [*methods, *list(stock_prompts)[1:]]
+        variants = [(name, k, bits, way) for name in [*methods, *list(stock_prompts)[1:]]
                     for k in ((1,) if name in STOCK else evict_every)
-                    for bits in ((None,) if name in STOCK else kv_bits)]
+                    for bits in ((None,) if name in STOCK else kv_bits)
+                    for way in (("even",) if name in STOCK else [way for way in heads if (name, way) in policies])]
 
-        def start(variant: tuple[str, int, int | None], batch: int) -> Batch:
-            name, k, bits = variant
+        def start(variant: tuple[str, int, int | None, str], batch: int) -> Batch:
+            name, k, bits, way = variant
             if name in STOCK:
                 with stock_attention(model):
                     return _start(model, copy.deepcopy(stock[name]), stock_first[name], batch, steps)
-            return _start(model, shared.fork(names.index(name), budget, evict_every=k, kv_bits=bits), first, batch,
-                          steps)
+            return _start(model, shared.fork(names.index((name, way)), budget, evict_every=k, kv_bits=bits), first,
+                          batch, steps)
 
         window = math.lcm(*evict_every)
         for batch in batches:
@@ -179,15 +191,17 @@ def bench_decode(model, tokenizer, methods: list[str], lengths: list[int], batch
             seconds = {variant: statistics.median(values) for variant, values in step_seconds.items()}
             operations = {variant: operations_per_step(model, variant[0], start(variant, batch), variant[1])
                           for variant in variants}
-            full = (FULL, 1, None)
+            full = (FULL, 1, None, "even")
             for variant in variants:
-                name, k, bits = variant
+                name, k, bits, way = variant
                 row = {"length": n_tokens, "batch": batch, "method": name,
                        "budget": "-" if name == FULL else str(budget)}
                 if len(evict_every) > 1 or evict_every != (1,):
                     row["evict_every"] = "-" if name in STOCK else k
                 if kv_bits != (None,):
                     row["kv_bits"] = bits or "-"
+                if heads != ("even",):
+                    row["heads"] = "-" if name in STOCK else way
                 row |= {"ms_per_step": round(1000 * seconds[variant], 2),
                         "tokens_per_s": round(batch / seconds[variant], 1),
                         "kv_mib": round(held[variant] / 2**20, 3)}

@@ -287,6 +287,7 @@ class Policy(Protocol):
     keeps_everything: bool  # True: the budget is ignored (the full cache), and reported as none
     probes: bool  # True: the prompt's ids are recorded and ``probe``'s passes run before compressing
     question_tokens: int  # the prompt's last tokens it scores with (a prefill in chunks shows them after each)
+    per_head_budgets: bool  # True: ``head_targets`` gives each KV head a count of its own
     merge: Merge | None
 
     def budget_for(self, budget) -> Any: ...  # the budget a cache of this policy holds when given one
@@ -305,3 +306,8 @@ class Policy(Protocol):
 
     def protected(self, layer: LayerView, target: torch.Tensor) -> torch.Tensor:
         """(B, G, N) bool: slots kept whatever their score when the layer keeps ``target`` (B,)."""
+
+    def head_targets(self, layer: LayerView, scores: torch.Tensor, protected: torch.Tensor,
+                     target: torch.Tensor) -> torch.Tensor | None:
+        """(B, G) tokens each KV head keeps when the layer keeps ``target`` (B,) per head on average
+        (the layer then holds a run of slots per KV head); None: ``target`` each."""

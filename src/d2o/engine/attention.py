@@ -28,6 +28,7 @@ from transformers.models.llama.modeling_llama import eager_attention_forward
 
 from d2o.engine.api import AttentionStats, StatsRequest, as_dtype
 from d2o.engine.cache import CompressedCache
+from d2o.engine.ragged import RaggedLayer
 from d2o.engine.stats import allowed_keys, attention_stats
 from d2o.engine.storage import HOOK_PREFIX
 from d2o.errors import D2OError
@@ -86,6 +87,8 @@ def _make_attention(backend: str):
         request = None
         if layer is not None:
             layer.admit(new_valid)
+            if isinstance(layer, RaggedLayer):  # compressed once: it observes nothing from then on
+                return _ragged_attention(layer, query, scaling), None
             if layer.observing:
                 request = layer.cache.policy.stats_request(layer.view, n_query)
             if layer.observing and n_query == 1 and window is None and (request is None or request.visible is None):
@@ -191,6 +194,26 @@ def _one_query_attention(query, key, value, bias, new_valid, scaling, request):
     return output, AttentionStats(1, column_mass=probs if request.column_mass else None,
                                   window=probs[:, :, :, None, :] if request.window else None,
                                   column_max=probs if request.column_max else None)
+
+
+def _ragged_attention(layer: RaggedLayer, query: torch.Tensor, scaling: float) -> torch.Tensor:
+    """The output (B, q, H, D) of queries (B, H, q, D) over a layer of one run of slots per KV head:
+    per KV head, its query heads stacked as one head's queries over its run (a view), the pass's
+    own tokens (the run's last q slots) causally. Masked by the lowest value, not -inf: a padding
+    query seeing no slot gets a finite output, which nothing reads."""
+    batch, heads, n_query, dim = query.shape
+    group = heads // layer.kv_heads
+    lowest = torch.tensor(torch.finfo(query.dtype).min, dtype=query.dtype, device=query.device)
+    outputs = []
+    for g, (start, stop) in enumerate(layer.runs):
+        allowed = allowed_keys(layer.token_index[:, :, start:stop] >= 0, 0, n_query, n_query, stop - start)
+        mask = torch.where(allowed, 0.0, lowest).to(query.dtype).expand(batch, group, n_query, stop - start)
+        queries = query[:, g * group:(g + 1) * group].reshape(batch, 1, group * n_query, dim)
+        output = F.scaled_dot_product_attention(queries, layer.keys[:, :, start:stop], layer.values[:, :, start:stop],
+                                                attn_mask=mask.reshape(batch, 1, group * n_query, stop - start),
+                                                scale=scaling)
+        outputs.append(output.view(batch, group, n_query, -1))
+    return torch.cat(outputs, dim=1).transpose(1, 2).contiguous()
 
 
 def _sliding_window(window, positions, query_pos):

@@ -15,11 +15,12 @@ import torch
 from transformers.cache_utils import Cache
 
 from d2o.budget import Budget
-from d2o.engine.api import CacheView, Policy, ProbePass, TokenValues
+from d2o.engine.api import CacheView, LayerView, Policy, ProbePass, TokenValues
 from d2o.engine.model_facts import ModelFacts, compressible_layers, head_dim, sliding_windows
 from d2o.engine.probing import Prober
 from d2o.engine.quantization import KVQuantization
 from d2o.engine.quantized import QuantizedLayer
+from d2o.engine.ragged import RaggedLayer
 from d2o.engine.report import CacheReport, report_of
 from d2o.engine.schedule import Schedule
 from d2o.engine.shared import SharedPrefixLayer
@@ -60,6 +61,9 @@ class CompressedCache(Cache):
             raise D2OError(f"CompressedCache takes a method object, not the name {policy!r}: "
                            f"d2o.get_method({policy!r}) builds one")
         self.prefill_chunk = check_prefill_chunk(prefill_chunk)
+        if self.prefill_chunk and policy.per_head_budgets:
+            raise D2OError(f"{policy.name} with heads=adaptive compresses a prompt whole: prefill_chunk is not "
+                           f"supported with it (use heads=even)")
         self._setup(ModelFacts(model.get_decoder(), model.config.get_text_config(), tokenizer), policy, budget,
                     observe, evict_every, kv_bits)
 
@@ -78,6 +82,9 @@ class CompressedCache(Cache):
         self.compressible = compressible_layers(windows, self.budget.unlimited)
         if self.quantization is not None:
             self.quantization.check(head_dim(config))
+            if policy.per_head_budgets:
+                raise D2OError(f"{policy.name} with heads=adaptive keeps keys and values in the model's dtype: "
+                               f"kv_bits is not supported with it (use heads=even)")
         quantized = self.quantization
         super().__init__(layers=[CompressedLayer(self, i, window) if quantized is None else
                                  QuantizedLayer(self, i, window, quantized) for i, window in enumerate(windows)])
@@ -142,6 +149,15 @@ class CompressedCache(Cache):
                       else layer.copy_for(new) for layer in self.layers]
         new._make_views()
         return new
+
+    def keep_per_head(self, layer: CompressedLayer, keep: torch.Tensor, keep_valid: torch.Tensor) -> None:
+        """Shrink ``layer`` to the slots ``keep`` (B, G, K) valid where ``keep_valid`` (B, G, K): its
+        KV heads keep different counts, so it becomes a ``RaggedLayer`` (a run of slots per head)."""
+        self._replace_layer(RaggedLayer.kept_from(layer, keep, keep_valid))
+
+    def _replace_layer(self, new: CompressedLayer) -> None:
+        self.layers[new.layer_idx] = new
+        new.view = self.view.layers[new.layer_idx] = LayerView(new, self.view)
 
     # -- rows ---------------------------------------------------------------------------------
     batch_size = property(lambda cache: cache.layers[0].token_index.shape[0] if cache.layers[0].is_initialized else 0)
@@ -296,6 +312,8 @@ class CompressedCache(Cache):
         if len(meta["layers"]) != len(self.layers):
             raise D2OError(f"the saved context has {len(meta['layers'])} layers, the model {len(self.layers)}")
         for i, (layer, saved) in enumerate(zip(self.layers, meta["layers"])):
+            if saved is not None and "bounds" in saved:
+                self._replace_layer(layer := RaggedLayer(self, i, layer.window))
             if saved is not None:
                 layer.load_state_dict(named(tensors, f"{i}."), saved, dtype)
         self.schedule.forwards, self.schedule.allocated, self.prober.probed = (meta[name] for name in (

@@ -271,25 +271,29 @@ class Schedule:
         scores, protected = chooser.score(layer.view), chooser.protected(layer.view, target)
         if scores.dtype != torch.float32:
             scores = scores.float()
-        merge = chooser.merge
+        merge, policy = chooser.merge, self.cache.policy
+        per_head = chooser is policy and policy.per_head_budgets  # gathered into runs, however few leave
         evicted = None
-        if most == 1 and layer.owns_storage:
+        if most == 1 and layer.owns_storage and not per_head:
             victim = select_victim(scores, protected, layer.token_index)
             if merge is not None:
                 evicted = layer.evicted(victim, (excess > 0)[:, None], merge.reads, merge.vectors)
             layer.drop(victim, None if fewest == 1 else (excess > 0)[:, None])
-        elif in_place:  # the evicted slots are emptied where they are, for the next tokens to fill
+        elif in_place and not per_head:  # the evicted slots are emptied where they are, for the next tokens to fill
             slots, valid = select_evicted(scores, protected, layer.token_index, excess)
             if merge is not None:
                 evicted = layer.evicted(slots, valid, merge.reads, merge.vectors)
             layer.drop(slots, valid)
         else:  # a longer input was appended: the kept slots are gathered, k empty ones after them
-            keep, keep_valid = select_kept(scores, protected, layer.token_index, target)
+            counts = policy.head_targets(layer.view, scores, protected, target) if per_head else None
+            keep, keep_valid = select_kept(scores, protected, layer.token_index, target if counts is None else counts)
+            if counts is not None:  # each KV head its own count: a run of slots per head (the policy merges nothing)
+                self.cache.keep_per_head(layer, keep, keep_valid)
+                return None
             if merge is not None:
                 evicted = layer.evicted(*select_evicted(scores, protected, layer.token_index, excess), merge.reads,
                                         merge.vectors)
             # The layer is then as wide as it will be when decoding (budget + evict_every).
-            policy = self.cache.policy
             batched = self.evict_every > 1 and chooser is policy and policy.evicts_during_decode and \
                 (self.chunks is None or self.chunks.last)
             layer.keep(keep, keep_valid, slack=self.evict_every if batched else 0)

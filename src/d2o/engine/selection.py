@@ -8,16 +8,18 @@ import torch
 def select_kept(scores: torch.Tensor, protected: torch.Tensor, token_index: torch.Tensor,
                 target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row and KV head the ``target[b]`` highest-scoring valid slots (B, G, N each), protected ones
-    first; equal scores (pooling makes plateaus) go to the newer token, so a token's slot never
-    changes the choice. Slot indices (B, G, K) in slot order, K = max(target), and (B, K) validity."""
+    first, or ``target[b, g]`` per KV head; equal scores (pooling makes plateaus) go to the newer
+    token, so a token's slot never changes the choice. Slot indices (B, G, K) in slot order (a
+    head's kept slots first), K = max(target), and validity: (B, K), or (B, G, K) per KV head."""
     n_slots = scores.shape[-1]
     ranked = scores.masked_fill(protected, float("inf")).masked_fill(token_index < 0, float("-inf"))
     newest_first = token_index.argsort(dim=-1, descending=True)
     order = ranked.gather(-1, newest_first).argsort(dim=-1, descending=True, stable=True)
     width = int(target.max())
     top = newest_first.gather(-1, order[..., :width])
-    keep_valid = torch.arange(width, device=scores.device)[None, :] < target[:, None]
-    keep = top.masked_fill(~keep_valid[:, None, :], n_slots).sort(dim=-1).values.clamp_max(n_slots - 1)
+    keep_valid = torch.arange(width, device=scores.device) < target[..., None]
+    per_head = keep_valid if keep_valid.dim() == 3 else keep_valid[:, None, :]
+    keep = top.masked_fill(~per_head, n_slots).sort(dim=-1).values.clamp_max(n_slots - 1)
     return keep, keep_valid
 
 

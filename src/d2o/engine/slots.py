@@ -100,6 +100,29 @@ class SlotTable:
                          cat(self.log_weight, other.log_weight),
                          {name: cat(self.state.get(name), other.state.get(name)) for name in names})
 
+    def slots_between(self, start: int, stop: int, heads: slice = slice(None)) -> SlotTable:
+        """The slots ``start:stop`` (of the KV heads ``heads``) of every field: views."""
+        return self.map(lambda tensor, _: tensor[:, heads, start:stop])
+
+    @staticmethod
+    def cat(tables: list[SlotTable]) -> SlotTable:
+        """The slots of ``tables`` (the same rows and KV heads) one after the other, in new tensors; a
+        field one table lacks is zeros there."""
+        def cat(parts: list, fill) -> torch.Tensor | None:
+            example = next((part for part in parts if part is not None), None)
+            if example is None:
+                return None
+            return torch.cat([example.new_full((*table.token_index.shape, *example.shape[3:]), fill) if part is None
+                              else part for part, table in zip(parts, tables)], dim=2)
+
+        def by_name(dicts: list[dict]) -> dict[str, torch.Tensor]:
+            return {name: cat([fields.get(name) for fields in dicts], 0)
+                    for name in dict.fromkeys(name for fields in dicts for name in fields)}
+
+        return SlotTable(by_name([table.vectors for table in tables]),
+                         cat([table.token_index for table in tables], EMPTY_INDEX),
+                         cat([table.log_weight for table in tables], 0), by_name([table.state for table in tables]))
+
     def select_rows(self, index: torch.Tensor) -> SlotTable:
         return self.map(lambda tensor, _: tensor.index_select(0, index))
 

@@ -96,12 +96,15 @@ class CompressedLayer(CacheLayerMixin):
         """Hold ``keys`` and ``values`` (B, G, N, D) with ``table``'s other fields (a fork's, shared)."""
         self._set(SlotTable(self._stored_form(keys, values), table.token_index, table.log_weight, table.state))
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        # Before anything is stored: the stock attention would run on these tensors and never admit them.
+    def _check_hooked(self) -> None:
+        """Before anything is stored: the stock attention would run on the keys and never admit them."""
         implementation = str(getattr(self.cache.facts.config, "_attn_implementation", ""))
         if self.pending or not implementation.startswith(HOOK_PREFIX):
             raise D2OError("the model's attention is not d2o's hook: call d2o.install(model) (d2o.load_model does it) "
                            "before running it with a compressed cache")
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        self._check_hooked()
         if self.cache.kv_repeats > 1:  # the released D2O's storage: a copy of each KV head per query head
             key_states = key_states.repeat_interleave(self.cache.kv_repeats, dim=1)
             value_states = value_states.repeat_interleave(self.cache.kv_repeats, dim=1)
@@ -210,14 +213,9 @@ class CompressedLayer(CacheLayerMixin):
             if self._bias is not None:
                 self._bias.scatter_(3, self._bias_slots, 0.0)  # its log weight, zeroed when it was emptied
             return
-        if new_valid is None:
-            index = self.real_seen[:, None] if q == 1 else self.real_seen[:, None] + torch.arange(q, device=self.device)
-            added = q
-        else:
-            index = (self.real_seen[:, None] + new_valid.long().cumsum(-1) - 1).masked_fill(~new_valid, -1)
-            added = new_valid.sum(-1)
-            if self.vacancies is not None:
-                self.vacancies.counted = False  # its prepared indices assumed every token real
+        index, added = self._new_index(q, new_valid)
+        if new_valid is not None and self.vacancies is not None:
+            self.vacancies.counted = False  # its prepared indices assumed every token real
         if self.written is not None:
             table.token_index.scatter_(2, self.written, index[:, None, :].expand(batch, heads, 1))
             if not self._zeroed:
@@ -226,6 +224,14 @@ class CompressedLayer(CacheLayerMixin):
             table.grow(index[:, None, :].expand(batch, heads, q))
         self._bias = None
         self.real_seen = self.real_seen + added
+
+    def _new_index(self, q: int, new_valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | int]:
+        """The token index of each of ``q`` new tokens (B, q; -1: padding) and each row's real ones."""
+        if new_valid is None:
+            index = self.real_seen[:, None] if q == 1 else self.real_seen[:, None] + torch.arange(q, device=self.device)
+            return index, q
+        return (self.real_seen[:, None] + new_valid.long().cumsum(-1) - 1).masked_fill(~new_valid, -1), \
+            new_valid.sum(-1)
 
     def logit_bias(self, dtype: torch.dtype) -> torch.Tensor:
         """(B, G, 1, N) what the attention adds to each slot's logit: its log weight, the lowest value
@@ -328,10 +334,13 @@ class CompressedLayer(CacheLayerMixin):
         """Append the rows of ``others`` (layers of caches of the same policy), padded to the widest."""
         layers = [self, *others]
         rows = [layer.slots.token_index.shape[0] for layer in layers]
-        self._replace_rows(SlotTable.join([layer.slots for layer in layers]),
+        self._replace_rows(self._joined_table(layers),
                         lambda name: torch.cat([getattr(layer, name) for layer in layers]),
                         self.state and type(self.state).concat([layer.state for layer in layers], rows))
         self.seen = max(layer.seen for layer in layers)
+
+    def _joined_table(self, layers: list[CompressedLayer]) -> SlotTable:
+        return SlotTable.join([layer.slots for layer in layers])
 
     def _replace_rows(self, table: SlotTable, rows_of, state) -> None:
         """Rows selected or joined: ``table``, each per-row tensor ``rows_of(name)``, the ``state``."""

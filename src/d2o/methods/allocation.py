@@ -118,6 +118,27 @@ class ScoreShare(Allocation):
         return counts
 
 
+def head_counts(scores: torch.Tensor, protected: torch.Tensor, valid: torch.Tensor, target: torch.Tensor,
+                floor: float) -> torch.Tensor:
+    """AdaKV's allocation within a layer (Feng et al., "Ada-KV", arXiv 2407.11550): of each row's
+    ``target x G`` (token, KV head) pairs, every KV head first keeps its ``floor x target`` best (the
+    safeguard), and the rest go to the best scores over all the layer's heads, protected slots
+    first. ``scores``, ``protected``, ``valid`` (B, G, N); ``target`` (B,). Returns (B, G) counts
+    summing to ``target x G``, none above a head's valid slots."""
+    batch, heads, n_slots = scores.shape
+    ranked = scores.float().masked_fill(protected, math.inf).masked_fill(~valid, -math.inf)
+    ordered = ranked.sort(dim=-1, descending=True).values
+    minimum = torch.minimum((target * floor).floor().long()[:, None], valid.sum(-1))  # (B, G)
+    rest = ordered.masked_fill(torch.arange(n_slots, device=scores.device) < minimum[..., None], -math.inf)
+    left = (target * heads - minimum.sum(-1)).clamp_min(0)  # (B,)
+    width = min(int(left.max()), heads * n_slots)
+    if width == 0:
+        return minimum
+    best = rest.flatten(1).topk(width, dim=-1)
+    chosen = (torch.arange(width, device=scores.device) < left[:, None]) & (best.values > -math.inf)
+    return minimum.scatter_add(1, best.indices // n_slots, chosen.long())
+
+
 def allocation_named(name: str) -> Allocation:
     """An allocation strategy by name: uniform, pyramid, expdecay, variance (D2O's) or scores (KVzip's)."""
     strategies = {"uniform": Uniform, "pyramid": Pyramid, "expdecay": ExponentialDecay, "variance": InverseVariance,

@@ -35,9 +35,9 @@ from d2o.budget import UNLIMITED, Budget
 from d2o.engine.api import (Allocated, AttentionStats, CacheView, LayerView, Merge, Observed, ProbePass, RowState,
                             StatsRequest, TokenValues)
 from d2o.errors import D2OError
-from d2o.methods.allocation import Allocation, Uniform, allocation_named, conserve
+from d2o.methods.allocation import Allocation, Uniform, allocation_named, conserve, head_counts
 from d2o.methods.scoring import scoring_named
-from d2o.options import whole
+from d2o.options import HEADS, whole
 
 
 @dataclass
@@ -47,6 +47,10 @@ class Method:
     ``n_sinks``: the first tokens of every row, always kept. ``allocation``: how the total budget
     is shared among layers. ``exempt_layers``: layers never compressed (what they hold counts
     against the total). ``merge``: None, or a component folding evicted slots into kept ones.
+    ``heads``: "even" (every KV head of a layer keeps its budget) or "adaptive" (the layer's
+    budget x KV heads pairs go to its best-scoring (token, KV head) pairs, each head keeping at
+    least ``head_floor`` x its even share: AdaKV's rule, ``allocation.head_counts``), for a method
+    that compresses once after the prefill and merges nothing.
     """
 
     name: ClassVar[str] = ""
@@ -72,6 +76,8 @@ class Method:
     allocation: Allocation = field(default_factory=Uniform)
     exempt_layers: tuple[int, ...] = ()
     merge: Merge | None = None
+    heads: str = "even"
+    head_floor: float = 0.2
 
     def __post_init__(self):
         check(whole(self.n_sinks) and self.n_sinks >= 0, "n_sinks", self.n_sinks, "must be a whole number >= 0")
@@ -89,6 +95,16 @@ class Method:
               "must be an allocation: uniform, pyramid, expdecay, variance or scores")
         check(self.merge is None or all(callable(getattr(self.merge, name, None)) for name in ("merge", "new_state")),
               "merge", self.merge, "must be a merge (set its fields with merge.NAME=VALUE) or none")
+        check(self.heads in HEADS, "heads", self.heads, f"must be one of {', '.join(HEADS)}")
+        check(isinstance(self.head_floor, (int, float)) and 0 <= self.head_floor <= 1, "head_floor", self.head_floor,
+              "must be a share of a KV head's even budget, in [0, 1]")
+        if self.per_head_budgets and (self.evicts_during_decode or self.merge is not None or self.repeats_kv_heads):
+            why = "merges evicted tokens" if self.merge is not None else "evicts while decoding"
+            raise D2OError(f"heads=adaptive is for a method that compresses once after the prefill and merges "
+                           f"nothing (snapkv, pyramidkv, kvzip, expected-attention); {self.name} {why}")
+
+    per_head_budgets = property(lambda method: method.heads == "adaptive",
+                                doc="Whether a layer's KV heads keep counts of their own (``head_targets``).")
 
     # -- state and diagnostics ------------------------------------------------------------------
     def new_layer_state(self) -> RowState | None:
@@ -207,6 +223,14 @@ class Method:
     def n_recent(self, target: torch.Tensor) -> torch.Tensor:
         """(B,) how many of the newest tokens to protect when a layer keeps ``target`` tokens."""
         return torch.zeros_like(target)
+
+    def head_targets(self, layer: LayerView, scores: torch.Tensor, protected: torch.Tensor,
+                     target: torch.Tensor) -> torch.Tensor | None:
+        """(B, G) tokens each KV head keeps when the layer keeps ``target`` (B,) per head on average;
+        None: ``target`` each (``heads=even``)."""
+        if not self.per_head_budgets:
+            return None
+        return head_counts(scores, protected, layer.valid, target, self.head_floor)
 
     def protected(self, layer: LayerView, target: torch.Tensor) -> torch.Tensor:
         """Sinks and the recent window: (B, G, N) bool."""

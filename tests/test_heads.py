@@ -1,0 +1,185 @@
+"""Budgets per KV head (``heads=adaptive``): AdaKV's counts, a layer of one run of slots per KV head
+(``engine.ragged``) that holds the kept (token, KV head) pairs and no more, and attention over it
+equal to attention over the same pairs padded per head."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import byte_tokenizer, greedy, left_pad, make_cache, random_ids, tiny_model
+
+import d2o
+from d2o.engine.ragged import RaggedLayer
+from d2o.engine.slots import SlotTable
+from d2o.engine.storage import CompressedLayer
+from d2o.errors import D2OError
+from d2o.methods.allocation import head_counts
+from d2o.runtime.context import compress, load_context
+
+ONCE = ["snapkv", "pyramidkv", "kvzip", "expected-attention"]  # the methods that compress once and merge nothing
+EIGHT_HEADS = dict(num_attention_heads=8, num_key_value_heads=8, head_dim=8)
+PROMPT = 200  # tokens: snapkv's window of 32 leaves a layer's heads room to differ at 0.3
+
+
+def reference_counts(scores, protected, valid, target, floor):
+    """AdaKV's rule by hand: every head's ``floor x target`` best, then the best pairs left."""
+    counts = []
+    for row in range(scores.shape[0]):
+        ranked = scores[row].masked_fill(protected[row], float("inf")).masked_fill(~valid[row], float("-inf"))
+        minimum = [min(int(target[row] * floor), int(valid[row, g].sum())) for g in range(scores.shape[1])]
+        pool = [(float(value), g) for g in range(scores.shape[1])
+                for value in sorted(ranked[g].tolist(), reverse=True)[minimum[g]:] if value > float("-inf")]
+        pool.sort(reverse=True)
+        row_counts = list(minimum)
+        for _, g in pool[:int(target[row]) * scores.shape[1] - sum(minimum)]:
+            row_counts[g] += 1
+        counts.append(row_counts)
+    return torch.tensor(counts)
+
+
+@pytest.mark.parametrize("floor", [0.0, 0.2, 1.0])
+def test_head_counts_are_adakv_rule(floor):
+    generator = torch.Generator().manual_seed(3)
+    scores = torch.rand((3, 4, 50), generator=generator)
+    protected = torch.rand((3, 4, 50), generator=generator) < 0.1
+    valid = torch.rand((3, 4, 50), generator=generator) < 0.9
+    target = torch.tensor([10, 25, 40])
+    counts = head_counts(scores, protected, valid, target, floor)
+    assert torch.equal(counts, reference_counts(scores, protected, valid, target, floor))
+    assert torch.equal(counts.sum(-1), torch.minimum(target * 4, valid.sum((1, 2))))
+    assert bool((counts <= valid.sum(-1)).all())
+
+
+def padded_copy(cache):
+    """A copy of ``cache`` whose ragged layers hold the same pairs in a (B, G, N) table, each KV head
+    padded with empty slots: the engine's attention over per-head validity, the reference."""
+    padded = cache.copy()
+    for layer in list(padded.layers):
+        if not isinstance(layer, RaggedLayer):
+            continue
+        runs = [layer.slots.slots_between(start, stop) for start, stop in layer.runs]
+        width = max(run.width for run in runs)
+        wide = [run.map(lambda tensor, fill, run=run: torch.cat(
+            [tensor, tensor.new_full((*tensor.shape[:2], width - run.width, *tensor.shape[3:]), fill)], dim=2))
+            for run in runs]
+        plain = CompressedLayer.__new__(CompressedLayer)
+        plain.__dict__.update({name: value for name, value in layer.__dict__.items() if name != "bounds"})
+        plain._set(SlotTable({name: torch.cat([run.vectors[name] for run in wide], dim=1) for name in wide[0].vectors},
+                             torch.cat([run.token_index for run in wide], dim=1), None,
+                             {name: torch.cat([run.state[name] for run in wide], dim=1) for name in wide[0].state}))
+        padded._replace_layer(plain)
+    return padded
+
+
+def greedy_steps(model, cache, logits, steps: int) -> list[int]:
+    """``steps`` greedy tokens fed one by one after a pass that gave ``logits``."""
+    tokens = []
+    with torch.inference_mode():
+        for _ in range(steps):
+            tokens.append(int(logits[0, -1].argmax()))
+            logits = model(input_ids=torch.tensor([[tokens[-1]]]), cache=cache).logits
+    return tokens
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+@pytest.mark.parametrize("method", ONCE)
+def test_adaptive_heads_hold_their_pairs_and_attend_as_padded_heads(arch, method):
+    model = tiny_model(arch, **(EIGHT_HEADS if arch == "llama" else {}))
+    ids = random_ids(PROMPT)
+    adaptive, even = make_cache(model, method, 0.3, heads="adaptive"), make_cache(model, method, 0.3)
+    with torch.inference_mode():
+        model(input_ids=ids, cache=adaptive)
+        model(input_ids=ids, cache=even)
+    kv_heads = model.config.num_key_value_heads
+    ragged = [layer for layer in adaptive.layers if isinstance(layer, RaggedLayer)]
+    assert ragged and all(layer.window is None for layer in ragged)
+    differ = False
+    for layer, other in zip(adaptive.layers, even.layers):
+        if not isinstance(layer, RaggedLayer):
+            assert torch.equal(layer.token_index, other.token_index)  # sliding-window layers: as ever
+            continue
+        counts = layer.head_counts()
+        assert torch.equal(counts.sum(-1), layer.budget * kv_heads)  # the layer's budget, exactly, in pairs
+        assert torch.equal(layer.budget, other.budget)
+        differ |= bool((counts != counts[:, :1]).any())
+        # Bytes: the kept pairs' keys and values, and their bookkeeping, and nothing else.
+        pair_bytes = layer.keys[0, 0, 0].nbytes + layer.values[0, 0, 0].nbytes
+        assert layer.nbytes == int(counts.sum()) * pair_bytes
+        assert layer.nbytes == other.nbytes and layer.state_nbytes == other.state_nbytes
+        # Each run holds its head's pairs, each token once, every row's prompt positions among them.
+        for g, (start, stop) in enumerate(layer.runs):
+            held = layer.token_index[0, 0, start:stop]
+            assert len(set(held.tolist())) == stop - start and int(held.max()) < PROMPT
+    assert differ == (kv_heads > 1)  # one KV head (Gemma 3's) keeps what the even layout keeps
+    assert adaptive.report().kv_bytes == even.report().kv_bytes
+
+    # A question of several tokens, then decode steps: as the same pairs padded per KV head.
+    padded = padded_copy(adaptive)
+    question = random_ids(6, seed=5)
+    with torch.inference_mode():
+        logits = model(input_ids=question, cache=adaptive).logits
+        reference = model(input_ids=question, cache=padded).logits
+    torch.testing.assert_close(logits, reference, rtol=1e-5, atol=1e-5)
+    assert greedy_steps(model, adaptive, logits, 6) == greedy_steps(model, padded, reference, 6)
+    for layer in adaptive.layers:
+        if isinstance(layer, RaggedLayer):
+            assert torch.equal(layer.head_counts().sum(-1), (layer.budget + 6 + 6) * kv_heads)
+
+
+@pytest.mark.parametrize("method", ONCE)
+def test_one_count_per_head_is_the_even_layout(method):
+    """head_floor=1 gives every KV head its even share: the same tokens as heads=even, in runs."""
+    model = tiny_model("llama", **EIGHT_HEADS)
+    ids = random_ids(PROMPT)
+    runs, even = make_cache(model, method, 0.3, heads="adaptive", head_floor=1.0), make_cache(model, method, 0.3)
+    assert greedy(model, ids, runs).tolist() == greedy(model, ids, even).tolist()
+    for layer, other in zip(runs.layers, even.layers):
+        assert isinstance(layer, RaggedLayer)
+        for g, (start, stop) in enumerate(layer.runs):
+            assert sorted(layer.token_index[0, 0, start:stop].tolist()) == sorted(other.token_index[0, g].tolist())
+
+
+def test_a_padded_batch_is_each_row_alone():
+    model = tiny_model("llama", **EIGHT_HEADS)
+    rows = [random_ids(PROMPT, seed=1)[0], random_ids(PROMPT - 37, seed=2)[0]]
+    ids, mask = left_pad(rows)
+    batch = make_cache(model, "snapkv", 0.3, heads="adaptive")
+    together = greedy(model, ids, batch, mask=mask)
+    for row, alone in enumerate(rows):
+        cache = make_cache(model, "snapkv", 0.3, heads="adaptive")
+        assert greedy(model, alone[None], cache).tolist() == together[row:row + 1].tolist()
+        for mine, theirs in zip(cache.layers, batch.layers):
+            assert torch.equal(mine.head_counts()[0], theirs.head_counts()[row])
+
+
+def test_a_context_saved_loaded_and_asked(tmp_path):
+    model = tiny_model("llama", **EIGHT_HEADS)
+    tokenizer = byte_tokenizer()
+    text = "The quick brown fox jumps over the lazy dog near the river bank. " * 4
+    context = compress(model, tokenizer, text, "kvzip", d2o.Budget(ratio=0.3, min_tokens=0), heads="adaptive")
+    assert all(isinstance(layer, RaggedLayer) for layer in context.cache.layers)
+    questions = ["What jumps?", "Who is lazy today, and why?"]
+    answers = context.ask(questions, max_new_tokens=6).texts
+    loaded = load_context(context.save(tmp_path / "context.safetensors"), model, tokenizer)
+    assert [layer.bounds for layer in loaded.cache.layers] == [layer.bounds for layer in context.cache.layers]
+    assert loaded.ask(questions, max_new_tokens=6).texts == answers
+    assert [context.ask(question, max_new_tokens=6).text for question in questions] == answers
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(method="h2o", heads="adaptive"), "h2o evicts while decoding"),
+    (dict(method="d2o-novelty", heads="adaptive"), "heads=adaptive is for a method that compresses once"),
+    (dict(method="snapkv", heads="uneven"), "heads='uneven' must be one of even, adaptive"),
+    (dict(method="snapkv", heads="adaptive", head_floor=2), "head_floor=2 must be a share"),
+])
+def test_bad_head_options_are_refused(options, message):
+    with pytest.raises(D2OError, match=message):
+        d2o.get_method(options.pop("method"), **options)
+
+
+@pytest.mark.parametrize("option, message", [(dict(kv_bits=4), "kv_bits is not supported"),
+                                             (dict(prefill_chunk=64), "prefill_chunk is not supported")])
+def test_what_adaptive_heads_do_not_take_yet_is_refused(option, message):
+    model = tiny_model("llama")
+    with pytest.raises(D2OError, match=message):
+        d2o.CompressedCache(model, d2o.get_method("snapkv", heads="adaptive"), 0.3, **option)
