@@ -20,6 +20,7 @@ it is never a d2o dependency, and ``run`` does not import d2o.
     VENV/bin/python benchmarks/kvpress_side_by_side.py run prompts.jsonl \\
         --presses kvzip,kvzip_whole,expected_attention --budgets 0.1,0.2,0.5 --out kvpress.jsonl \\
         [--compare docs/results/passkey-context/samples.jsonl docs/results/niah-context/samples.jsonl]
+    python benchmarks/kvpress_side_by_side.py summary kvpress.jsonl --compare .../samples.jsonl
 
 ``kvzip_whole`` is KVzipPress told that the prompt has no chat-template opening (see ``run``);
 ``kvzip_even`` is that press with each layer's count shared evenly by its KV heads (``even_heads``).
@@ -239,9 +240,14 @@ def main(argv=None) -> None:
     rn.add_argument("--threads", type=int, default=1, help="torch's CPU threads")
     rn.add_argument("--out", required=True)
     rn.add_argument("--model", default=MODEL)
+    sm = sub.add_parser("summary", help="the means of answers ``run`` wrote, beside d2o's on the same prompts")
+    sm.add_argument("answers", nargs="+", help="files ``run`` wrote (--out)")
+    sm.add_argument("--compare", nargs="*", help="d2o samples.jsonl files to show d2o's means beside")
     args = parser.parse_args(argv)
     if args.command == "export":
         export(args)
+    elif args.command == "summary":
+        summary([json.loads(line) for path in args.answers for line in open(path)], args.compare)
     else:
         run(args)
 

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Budgets per KV head (heads=adaptive) on the committed sets, against the committed even rows
+# (docs/results/{niah,passkey}*, docs/results/heldout/*: the same samples and seeds). Each command
+# resumes where it stopped. Run from the repository root after `make setup`.
+set -euo pipefail
+D2O=${D2O:-.venv/bin/d2o}
+OUT=${OUT:-docs/results/heads}
+M=snapkv,pyramidkv,kvzip,expected-attention
+A=""
+for method in ${M//,/ }; do A="$A --option $method.heads=adaptive"; done
+B=0.1,0.2,0.5
+NIAH="--task-option lengths=500,1000,2000 --task-option depths=0,0.25,0.5,0.75,1"
+for protocol in context prompt; do
+  suffix=$([ "$protocol" = context ] && echo "-context" || true)
+  $D2O eval --task niah $NIAH --limit 1 --seed 0 --methods $M $A --budgets $B --protocol $protocol \
+    --out "$OUT/niah$suffix"
+  $D2O eval --task passkey --task-option length=1500 --limit 20 --seed 0 --methods $M $A --budgets $B \
+    --protocol $protocol --out "$OUT/passkey$suffix"
+done
+# The held-out sets (docs/results/heldout/run.sh): another haystack and another needle, seed 2.
+NEEDLE=(--task-option "needle=The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day."
+        --task-option "question=What is the best thing to do in San Francisco?"
+        --task-option "answer_prefix=The best thing to do in San Francisco is"
+        --task-option "fact=eat a sandwich and sit in Dolores Park")
+for protocol in context prompt; do
+  suffix=$([ "$protocol" = context ] && echo "-context" || true)
+  $D2O eval --task niah "${NEEDLE[@]}" --task-option lengths=500,1000,2000 --task-option depths=0,0.25,0.5,0.75,1 \
+    --limit 1 --seed 2 --methods $M $A --budgets $B --protocol $protocol --out "$OUT/niah-sf$suffix"
+  $D2O eval --task passkey --task-option length=1500 --task-option haystack=/usr/share/common-licenses/GPL-3 \
+    --limit 10 --seed 2 --methods $M $A --budgets $B --protocol $protocol --out "$OUT/passkey-gpl$suffix"
+done
