@@ -15,6 +15,7 @@ from d2o.engine.storage import CompressedLayer
 from d2o.errors import D2OError
 from d2o.methods.allocation import head_counts
 from d2o.runtime.context import compress, load_context
+from d2o.runtime.decoding import Batch, Sequence
 
 ONCE = ["snapkv", "pyramidkv", "kvzip", "expected-attention"]  # the methods that compress once and merge nothing
 EIGHT_HEADS = dict(num_attention_heads=8, num_key_value_heads=8, head_dim=8)
@@ -177,9 +178,38 @@ def test_bad_head_options_are_refused(options, message):
         d2o.get_method(options.pop("method"), **options)
 
 
-@pytest.mark.parametrize("option, message", [(dict(kv_bits=4), "kv_bits is not supported"),
-                                             (dict(prefill_chunk=64), "prefill_chunk is not supported")])
-def test_what_adaptive_heads_do_not_take_yet_is_refused(option, message):
+@pytest.mark.parametrize("method", ["snapkv", "kvzip"])
+def test_in_chunks_heads_keep_even_counts_until_the_last_chunk_shares_the_layer(method):
+    """Every chunk but the last is compressed evenly (the cache holds its budget and a chunk); the
+    last one's compression gives each KV head its count, the layer's budget exactly, in runs."""
+    model = tiny_model("llama", **EIGHT_HEADS)
+    policy = d2o.get_method(method, heads="adaptive")
+    cache = d2o.CompressedCache(model, policy, d2o.Budget(ratio=0.3, min_tokens=0), tokenizer=byte_tokenizer(),
+                                prefill_chunk=64)
+    kinds = []
+    original = cache.schedule.compress
+
+    def watched():
+        original()
+        kinds.append({type(layer) for layer in cache.layers})
+
+    cache.schedule.compress = watched
+    sequence = Sequence(byte_tokenizer(), 4)
+    Batch.prefill(model, cache, [random_ids(PROMPT)[0].tolist()], [sequence]).run()
+    assert kinds[:3] == [{CompressedLayer}] * 3 and kinds[3] == {RaggedLayer}  # chunks of 8, 64, 64, 64
+    for layer in cache.layers:
+        counts = layer.head_counts()
+        assert torch.equal(counts.sum(-1), (layer.budget + 3) * 8) and bool((counts != counts[:, :1]).any())
+    assert len(sequence.tokens) == 4
+    # A prompt no longer than a chunk: as prefilled whole.
+    short = d2o.CompressedCache(model, policy, d2o.Budget(ratio=0.3, min_tokens=0), tokenizer=byte_tokenizer(),
+                                prefill_chunk=PROMPT)
+    whole = d2o.CompressedCache(model, policy, d2o.Budget(ratio=0.3, min_tokens=0), tokenizer=byte_tokenizer())
+    ids = random_ids(PROMPT)
+    assert greedy(model, ids, short).tolist() == greedy(model, ids, whole).tolist()
+
+
+def test_quantized_keys_and_values_are_refused_with_adaptive_heads():
     model = tiny_model("llama")
-    with pytest.raises(D2OError, match=message):
-        d2o.CompressedCache(model, d2o.get_method("snapkv", heads="adaptive"), 0.3, **option)
+    with pytest.raises(D2OError, match="kv_bits is not supported"):
+        d2o.CompressedCache(model, d2o.get_method("snapkv", heads="adaptive"), 0.3, kv_bits=4)

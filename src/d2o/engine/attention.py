@@ -203,15 +203,21 @@ def _ragged_attention(layer: RaggedLayer, query: torch.Tensor, scaling: float) -
     query seeing no slot gets a finite output, which nothing reads."""
     batch, heads, n_query, dim = query.shape
     group = heads // layer.kv_heads
-    lowest = torch.tensor(torch.finfo(query.dtype).min, dtype=query.dtype, device=query.device)
+    valid = layer.token_index >= 0  # (B, 1, T)
+    lowest = torch.finfo(query.dtype).min
+    # One query per row (a decode step): every query sees every valid slot of its run, one mask for all runs.
+    bias = query.new_zeros(valid.shape).masked_fill_(~valid, lowest)[:, :, None, :] if n_query == 1 else None
     outputs = []
     for g, (start, stop) in enumerate(layer.runs):
-        allowed = allowed_keys(layer.token_index[:, :, start:stop] >= 0, 0, n_query, n_query, stop - start)
-        mask = torch.where(allowed, 0.0, lowest).to(query.dtype).expand(batch, group, n_query, stop - start)
+        if bias is not None:
+            mask = bias[..., start:stop]
+        else:
+            allowed = allowed_keys(valid[:, :, start:stop], 0, n_query, n_query, stop - start)  # (B, 1, q, N)
+            mask = query.new_zeros(allowed.shape).masked_fill_(~allowed, lowest)
+            mask = mask.expand(batch, group, n_query, stop - start).reshape(batch, 1, group * n_query, stop - start)
         queries = query[:, g * group:(g + 1) * group].reshape(batch, 1, group * n_query, dim)
         output = F.scaled_dot_product_attention(queries, layer.keys[:, :, start:stop], layer.values[:, :, start:stop],
-                                                attn_mask=mask.reshape(batch, 1, group * n_query, stop - start),
-                                                scale=scaling)
+                                                attn_mask=mask, scale=scaling)
         outputs.append(output.view(batch, group, n_query, -1))
     return torch.cat(outputs, dim=1).transpose(1, 2).contiguous()
 

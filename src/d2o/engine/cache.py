@@ -61,9 +61,6 @@ class CompressedCache(Cache):
             raise D2OError(f"CompressedCache takes a method object, not the name {policy!r}: "
                            f"d2o.get_method({policy!r}) builds one")
         self.prefill_chunk = check_prefill_chunk(prefill_chunk)
-        if self.prefill_chunk and policy.per_head_budgets:
-            raise D2OError(f"{policy.name} with heads=adaptive compresses a prompt whole: prefill_chunk is not "
-                           f"supported with it (use heads=even)")
         self._setup(ModelFacts(model.get_decoder(), model.config.get_text_config(), tokenizer), policy, budget,
                     observe, evict_every, kv_bits)
 

@@ -272,7 +272,9 @@ class Schedule:
         if scores.dtype != torch.float32:
             scores = scores.float()
         merge, policy = chooser.merge, self.cache.policy
-        per_head = chooser is policy and policy.per_head_budgets  # gathered into runs, however few leave
+        # Counts per KV head: the layer is gathered into runs, however few leave. A prompt in chunks
+        # is compressed evenly until its last chunk, whose compression shares the layer among its heads.
+        per_head = chooser is policy and policy.per_head_budgets and (self.chunks is None or self.chunks.last)
         evicted = None
         if most == 1 and layer.owns_storage and not per_head:
             victim = select_victim(scores, protected, layer.token_index)
