@@ -146,11 +146,20 @@ def test_a_padded_batch_is_each_row_alone():
     ids, mask = left_pad(rows)
     batch = make_cache(model, "snapkv", 0.3, heads="adaptive")
     together = greedy(model, ids, batch, mask=mask)
+    alone_caches = []
     for row, alone in enumerate(rows):
         cache = make_cache(model, "snapkv", 0.3, heads="adaptive")
         assert greedy(model, alone[None], cache).tolist() == together[row:row + 1].tolist()
         for mine, theirs in zip(cache.layers, batch.layers):
             assert torch.equal(mine.head_counts()[0], theirs.head_counts()[row])
+        alone_caches.append(cache)
+    # The first row leaves the batch (a finished request): the second goes on as it would alone.
+    batch.select_rows(torch.tensor([1]))
+    token, position = together[1:, -1:], alone_caches[1].layers[0].real_seen[:, None]  # its own positions
+    with torch.inference_mode():
+        left = model(input_ids=token, position_ids=position, cache=batch).logits
+        alone = model(input_ids=token, position_ids=position, cache=alone_caches[1]).logits
+    torch.testing.assert_close(left, alone, rtol=1e-5, atol=1e-5)
 
 
 def test_a_context_saved_loaded_and_asked(tmp_path):
