@@ -222,3 +222,12 @@ def test_quantized_keys_and_values_are_refused_with_adaptive_heads():
     model = tiny_model("llama")
     with pytest.raises(D2OError, match="kv_bits is not supported"):
         d2o.CompressedCache(model, d2o.get_method("snapkv", heads="adaptive"), 0.3, kv_bits=4)
+
+
+def test_a_batch_of_adaptive_rows_under_a_memory_cap_is_refused():
+    """Its runs pad to their widest rows, which no plan bounds; one row is planned as ever."""
+    model = tiny_model("llama")
+    policy = d2o.get_method("snapkv", heads="adaptive")
+    with pytest.raises(D2OError, match="give one prompt at a time"):
+        d2o.generate(model, byte_tokenizer(), ["a" * 80, "b" * 90], policy, 0.3, max_new_tokens=2, kv_memory=10**9)
+    assert d2o.generate(model, byte_tokenizer(), "a" * 80, policy, 0.3, max_new_tokens=2, kv_memory=10**9).text
