@@ -62,8 +62,9 @@ def check_memory(model, method: Method, budget: Budget, rows: list[list[int]], n
                  evict_every: int, kv_bits, prefill_chunk: int | None, question_aware: bool) -> None:
     """Refuse, saying what would fit, a batch whose planned KV bytes at their peak exceed ``cap``."""
     if method.per_head_budgets and len(rows) > 1:
-        raise D2OError(f"{method.name} with heads=adaptive pads each KV head's run of slots to its widest row, which "
-                       f"a memory plan does not bound: under a KV memory cap, give one prompt at a time (or heads=even)")
+        raise D2OError(f"{method.name} with heads=adaptive pads each KV head's run of slots to its widest row, "
+                       f"which a memory plan does not bound: under a KV memory cap, give one prompt at a time (or "
+                       f"heads=even)")
     longest = max(len(row) for row in rows)
     kv_plan = plan(model.config, method, budget, longest, new_tokens, next(model.parameters()).element_size(),
                    evict_every=evict_every, kv_bits=kv_bits, prefill_chunk=prefill_chunk,
