@@ -39,6 +39,18 @@ def test_d2o_budgets_on_the_real_model(real_model, passkey):
     assert report.kv_bytes < 0.21 * report.kv_bytes_full
 
 
+def test_kvzip_with_a_count_per_kv_head_keeps_the_passkey_in_the_even_layouts_bytes(real_model, passkey):
+    import d2o
+
+    model, tokenizer = real_model
+    even = generate(model, tokenizer, passkey.text, "kvzip", 0.2, max_new_tokens=8)
+    adaptive = generate(model, tokenizer, passkey.text, d2o.get_method("kvzip", heads="adaptive"), 0.2,
+                        max_new_tokens=8)
+    assert passkey_score(adaptive.texts[0], passkey.key) == 1.0, adaptive.texts[0]
+    assert adaptive.report.kv_bytes == even.report.kv_bytes
+    assert adaptive.report.layer_budgets == even.report.layer_budgets
+
+
 @pytest.mark.parametrize("method", ["d2o", "snapkv", "h2o"])
 def test_a_short_chat_question_keeps_its_answer_at_the_default_budget(monkeypatch, capsys, real_model, method):
     """The chat template alone is 30-odd tokens: under the floor, nothing of it is evicted."""
