@@ -140,6 +140,16 @@ def test_one_count_per_head_is_the_even_layout(method):
             assert sorted(layer.token_index[0, 0, start:stop].tolist()) == sorted(other.token_index[0, g].tolist())
 
 
+def test_one_kv_head_keeps_what_the_even_layout_keeps():
+    """Gemma 3 270M has one KV head: nothing to share among heads, so adaptive is the even layout."""
+    model = tiny_model("gemma3", num_key_value_heads=1)
+    ids = random_ids(PROMPT)
+    runs, even = make_cache(model, "kvzip", 0.3, heads="adaptive"), make_cache(model, "kvzip", 0.3)
+    assert greedy(model, ids, runs).tolist() == greedy(model, ids, even).tolist()
+    for layer, other in zip(runs.layers, even.layers):
+        assert sorted(layer.token_index.flatten().tolist()) == sorted(other.token_index.flatten().tolist())
+
+
 def test_a_padded_batch_is_each_row_alone():
     model = tiny_model("llama", **EIGHT_HEADS)
     rows = [random_ids(PROMPT, seed=1)[0], random_ids(PROMPT - 37, seed=2)[0]]
