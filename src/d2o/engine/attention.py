@@ -205,20 +205,16 @@ def _ragged_attention(layer: RaggedLayer, query: torch.Tensor, scaling: float) -
     group = heads // layer.kv_heads
     valid = layer.token_index >= 0  # (B, 1, T)
     lowest = torch.finfo(query.dtype).min
-    if n_query == 1:
-        # A decode step: every query head over every slot in one product, each masked to its own KV
-        # head's run (KV heads x more products than the runs alone, one call instead of one per head).
-        own_run = layer.run_of_slot() == (torch.arange(heads, device=query.device) // group)[:, None]  # (H, T)
-        mask = query.new_zeros((batch, 1, heads, valid.shape[-1])).masked_fill_(~own_run, lowest)
-        mask.masked_fill_(~valid[:, :, None, :], lowest)
-        output = F.scaled_dot_product_attention(query.reshape(batch, 1, heads, dim), layer.keys, layer.values,
-                                                attn_mask=mask, scale=scaling)
-        return output  # (B, 1, H, D): the layout transformers expects of one query per row
+    # One query per row (a decode step): every query sees every valid slot of its run, one mask for all runs.
+    bias = query.new_zeros(valid.shape).masked_fill_(~valid, lowest)[:, :, None, :] if n_query == 1 else None
     outputs = []
     for g, (start, stop) in enumerate(layer.runs):
-        allowed = allowed_keys(valid[:, :, start:stop], 0, n_query, n_query, stop - start)  # (B, 1, q, N)
-        mask = query.new_zeros(allowed.shape).masked_fill_(~allowed, lowest)
-        mask = mask.expand(batch, group, n_query, stop - start).reshape(batch, 1, group * n_query, stop - start)
+        if bias is not None:
+            mask = bias[..., start:stop]
+        else:
+            allowed = allowed_keys(valid[:, :, start:stop], 0, n_query, n_query, stop - start)  # (B, 1, q, N)
+            mask = query.new_zeros(allowed.shape).masked_fill_(~allowed, lowest)
+            mask = mask.expand(batch, group, n_query, stop - start).reshape(batch, 1, group * n_query, stop - start)
         queries = query[:, g * group:(g + 1) * group].reshape(batch, 1, group * n_query, dim)
         output = F.scaled_dot_product_attention(queries, layer.keys[:, :, start:stop], layer.values[:, :, start:stop],
                                                 attn_mask=mask, scale=scaling)

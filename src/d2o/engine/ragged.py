@@ -62,35 +62,14 @@ class RaggedLayer(CompressedLayer):
         self.pending, self._fed = key_states.shape[-2], (key_states, value_states)
         return key_states, value_states
 
-    def run_of_slot(self) -> torch.Tensor:
-        """(T,): the KV head whose run each slot is in."""
-        widths = torch.tensor([stop - start for start, stop in self.runs], device=self.device)
-        return torch.repeat_interleave(torch.arange(self.kv_heads, device=self.device), widths)
-
     def admit(self, new_valid: torch.Tensor | None) -> None:
-        """Append the pass's tokens to the end of every run: each field written once into a new
-        tensor, the old slots and the new ones each by one indexed write."""
         q, (keys, values) = self.pending, self._fed
         index, added = self._new_index(q, new_valid)
-        table, heads = self.slots, self.kv_heads
-        batch, width = table.token_index.shape[0], table.width
-        old_at = torch.arange(width, device=self.device) + q * self.run_of_slot()
-        new_at = torch.tensor([stop + g * q + j for g, (_, stop) in enumerate(self.runs) for j in range(q)],
-                              device=self.device)
-
-        def placed(tensor: torch.Tensor, new: torch.Tensor | None = None) -> torch.Tensor:
-            out = tensor.new_empty((batch, 1, width + heads * q, *tensor.shape[3:]))
-            out[:, :, old_at] = tensor
-            out[:, :, new_at] = 0 if new is None else new
-            return out
-
-        # The new tokens in run order: (B, G, q, ...) read as (B, 1, G * q, ...).
-        self._set(SlotTable({name: placed(table.vectors[name], new.reshape(batch, 1, heads * q, -1))
-                             for name, new in (("keys", keys), ("values", values))},
-                            placed(table.token_index, index[:, None, None, :].expand(batch, 1, heads, q).reshape(
-                                batch, 1, heads * q)),
-                            None if table.log_weight is None else placed(table.log_weight),
-                            {name: placed(state) for name, state in table.state.items()}))
+        pieces = []
+        for g, (start, stop) in enumerate(self.runs):
+            pieces += [self.slots.slots_between(start, stop),
+                       SlotTable({"keys": keys[:, g:g + 1], "values": values[:, g:g + 1]}, index[:, None, :])]
+        self._set(SlotTable.cat(pieces))
         self.bounds = [bound + q * g for g, bound in enumerate(self.bounds)]
         self.seen += q
         self.real_seen = self.real_seen + added
