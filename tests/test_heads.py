@@ -112,7 +112,11 @@ def test_adaptive_heads_hold_their_pairs_and_attend_as_padded_heads(arch, method
             held = layer.token_index[0, 0, start:stop]
             assert len(set(held.tolist())) == stop - start and int(held.max()) < PROMPT
     assert differ == (kv_heads > 1)  # one KV head (Gemma 3's) keeps what the even layout keeps
-    assert adaptive.report().kv_bytes == even.report().kv_bytes
+    report = adaptive.report()
+    assert report.kv_bytes == even.report().kv_bytes
+    assert [layer.kept_per_head[0] for layer in report.layers] == [layer.head_counts()[0].tolist()
+                                                                  for layer in adaptive.layers]
+    assert ("heads " in report.table()) == differ
 
     # A question of several tokens, then decode steps: as the same pairs padded per KV head.
     padded = padded_copy(adaptive)

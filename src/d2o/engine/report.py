@@ -19,6 +19,7 @@ class LayerReport:
     full: list[int]  # what the stock cache would hold: real tokens seen, or a sliding window's
     merged: list[int]
     floor: list[bool]  # the floor under a ratio budget, not the ratio's share, set the budget
+    kept_per_head: list[list[int]]  # tokens each stored KV head holds (they differ under heads=adaptive)
     kv_bytes: int
     kv_bytes_full: int
     state_bytes: int  # token indices and method state kept per slot, beside the keys and values
@@ -31,7 +32,7 @@ class LayerReport:
         return dict(self.__dict__)
 
 
-PER_ROW = ("budget", "kept", "full", "merged", "floor")
+PER_ROW = ("budget", "kept", "full", "merged", "floor", "kept_per_head")
 BYTES = ("kv_bytes", "kv_bytes_full", "state_bytes")
 
 
@@ -106,6 +107,8 @@ class CacheReport:
             if layer.window is not None:
                 budget = f"w{layer.window}"
             details = "  ".join(f"{name} {_brief(values[0])}" for name, values in layer.method.items() if values)
+            if len(set(layer.kept_per_head[0])) > 1:
+                details = f"heads {'/'.join(map(str, layer.kept_per_head[0]))}  {details}".rstrip()
             lines.append(f"{layer.layer:>5} {budget!s:>7} {layer.kept[0]:>6} {layer.full[0]:>6} "
                          f"{layer.merged[0]:>7} {layer.kv_bytes:>10}  {details}")
         lines.append(f"total: {self.kv_tokens_kept} of {self.kv_tokens_full} KV tokens, {self.kv_bytes} of "
@@ -146,6 +149,7 @@ def report_of(cache, rows: list[int] | None = None) -> CacheReport:
             layer=layer.layer_idx, window=layer.window, budget=pick(budget), kept=pick(layer.n_kept.tolist()),
             full=pick(full.tolist()), merged=pick(layer.merged.tolist()),
             floor=pick(cache.schedule.floor_decides(layer).tolist()),
+            kept_per_head=pick(layer.head_counts().tolist()),
             kv_bytes=layer.nbytes * len(picked) // batch, state_bytes=layer.state_nbytes * len(picked) // batch,
             kv_bytes_full=stock * len(picked) * bytes_per_token,
             method={name: pick(values) for name, values in cache.policy.report(layer.view).items()},

@@ -72,6 +72,10 @@ class CompressedLayer(CacheLayerMixin):
     valid = property(lambda layer: layer.slots.token_index >= 0, doc="(B, G, N) bool: the slots holding a token.")
     n_kept = property(lambda layer: (layer.slots.token_index[:, 0] >= 0).sum(-1), doc="(B,) tokens held per row.")
 
+    def head_counts(self) -> torch.Tensor:
+        """(B, G): the tokens each stored KV head holds."""
+        return (self.slots.token_index >= 0).sum(-1)
+
     def weights(self) -> torch.Tensor:
         """(B, G, N) float32: the log weight of every slot (zeros where none is set)."""
         index = self.slots.token_index
