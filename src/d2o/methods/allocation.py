@@ -102,7 +102,7 @@ class ScoreShare(Allocation):
     """KVzip's: one threshold over every layer's scores. Each layer's weight is how many of the
     row's ``totals x kv_heads`` highest (token, KV head) scores of the method are its own, so a
     layer whose tokens score high keeps more. KVzip lets each KV head keep its own count; here the
-    KV heads of a layer keep as many (the layer's count over its heads, shared evenly)."""
+    KV heads of a layer share the layer's count evenly, or by ``head_counts`` (``heads=adaptive``)."""
 
     def weights(self, cache: CacheView, layers: list[int], totals: torch.Tensor, method) -> torch.Tensor:
         held = [method.score(cache.layers[i]).float().masked_fill(~cache.layers[i].valid, -math.inf) for i in layers]

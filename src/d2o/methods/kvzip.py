@@ -39,9 +39,10 @@ class KVzip(Method):
     attending to the whole context (``d2o bench prefill --methods kvzip``).
 
     Choices and differences from the authors' code and kvpress's ``KVzipPress`` (0.5.5):
-    - Per layer, every KV head keeps as many tokens (the engine's storage): the global threshold
-      sets each layer's count, the heads of a layer share it evenly and each keeps its own best.
-      KVzip lets each KV head keep its own count.
+    - By default (``heads=even``) every KV head of a layer keeps as many tokens: the global
+      threshold sets each layer's count, the heads share it evenly and each keeps its own best.
+      KVzip lets each KV head keep its own count: ``heads=adaptive`` does, within each layer's
+      count, with a floor of ``head_floor`` (0.2) of the even share per head (0: KVzip's, none).
     - The end of the user turn is the tokenizer's chat template's (kvpress's rule; "\\n" without a
       template); the authors' code writes one per model family. The whole prompt is reconstructed
       (kvpress skips a chat template's opening, which a raw prompt does not have).
