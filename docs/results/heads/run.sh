@@ -29,3 +29,7 @@ for protocol in context prompt; do
   $D2O eval --task passkey --task-option length=1500 --task-option haystack=/usr/share/common-licenses/GPL-3 \
     --limit 10 --seed 2 --methods $M $A --budgets $B --protocol $protocol --out "$OUT/passkey-gpl$suffix"
 done
+# RULER's 11 answered tasks on SmolLM2 at 1K, asked after compression (docs/results/ruler/run.sh's rows of these methods).
+$D2O eval --task ruler --task-option length=1024 --limit 5 --seed 0 --protocol context \
+  --methods kvzip,snapkv,expected-attention --option kvzip.heads=adaptive --option snapkv.heads=adaptive \
+  --option expected-attention.heads=adaptive --budgets 0.1,0.25,0.5 --out "$OUT/ruler-smollm2-1k-context"
