@@ -85,20 +85,12 @@ class SlotTable:
 
     def beside(self, other: SlotTable) -> SlotTable:
         """``other``'s slots after this table's, in new tensors; a table without vectors (``narrow``'s)
-        adds none, and a field one side lacks is zeros there."""
-        def cat(mine, theirs, fill=0):
-            if mine is None and theirs is None:
-                return None
-            example = mine if mine is not None else theirs
-            zeros = [example.new_full((*table.token_index.shape, *example.shape[3:]), fill) for table in (self, other)]
-            return torch.cat([zeros[0] if mine is None else mine, zeros[1] if theirs is None else theirs], dim=2)
-
-        names = dict.fromkeys([*self.state, *other.state])
+        adds none, and a field one side lacks is zeros there (``cat``)."""
         vectors = self.vectors if not other.vectors else other.vectors if not self.vectors else \
             {name: torch.cat([self.vectors[name], other.vectors[name]], dim=2) for name in self.vectors}
-        return SlotTable(vectors, cat(self.token_index, other.token_index, EMPTY_INDEX),
-                         cat(self.log_weight, other.log_weight),
-                         {name: cat(self.state.get(name), other.state.get(name)) for name in names})
+        joined = SlotTable.cat([SlotTable({}, table.token_index, table.log_weight, table.state)
+                                for table in (self, other)])
+        return SlotTable(vectors, joined.token_index, joined.log_weight, joined.state)
 
     def slots_between(self, start: int, stop: int, heads: slice = slice(None)) -> SlotTable:
         """The slots ``start:stop`` (of the KV heads ``heads``) of every field: views."""
