@@ -18,7 +18,10 @@ for protocol in context prompt; do
     --protocol $protocol --out "$OUT/passkey$suffix"
 done
 # The held-out sets (docs/results/heldout/run.sh): another haystack and another needle, seed 2.
-source docs/results/heldout/needle.sh
+NEEDLE=(--task-option "needle=The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day."
+        --task-option "question=What is the best thing to do in San Francisco?"
+        --task-option "answer_prefix=The best thing to do in San Francisco is"
+        --task-option "fact=eat a sandwich and sit in Dolores Park")
 for protocol in context prompt; do
   suffix=$([ "$protocol" = context ] && echo "-context" || true)
   $D2O eval --task niah "${NEEDLE[@]}" --task-option lengths=500,1000,2000 --task-option depths=0,0.25,0.5,0.75,1 \

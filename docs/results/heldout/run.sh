@@ -13,7 +13,10 @@ M=$M,d2o-plus-nowindow
 M=$M,d2o-plus-blend,d2o-plus-blend-nomass,d2o-plus-blend-nearmerge
 M=$M,d2o-plus-recent,kvzip,expected-attention,d2o-novelty,d2o-novelty-uniform,d2o-novelty-nomerge
 B=0.1,0.2,0.5
-source docs/results/heldout/needle.sh
+NEEDLE=(--task-option "needle=The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day."
+        --task-option "question=What is the best thing to do in San Francisco?"
+        --task-option "answer_prefix=The best thing to do in San Francisco is"
+        --task-option "fact=eat a sandwich and sit in Dolores Park")
 for protocol in prompt context; do
   suffix=$([ "$protocol" = context ] && echo "-context" || true)
   $D2O eval --task passkey --task-option length=1500 --task-option haystack=/usr/share/common-licenses/GPL-3 \
