@@ -157,13 +157,16 @@ def test_the_budget_sized_full_cache_holds_the_prompts_last_tokens_the_budget_ke
 
 
 def test_decode_runs_each_method_that_takes_it_with_adaptive_heads_too(tiny):
-    """snapkv with each KV head its own count: a row of its own, the same pairs held as the even
-    layout's (batch 1); h2o evicts while decoding, so it runs even only."""
-    rows = bench_decode(tiny, None, ["full", "snapkv", "h2o"], [200], [1], Budget(ratio=0.3, min_tokens=0), steps=3,
-                        heads=("even", "adaptive"))
+    """snapkv and h2o with each KV head its own count: a row of their own, the same pairs held as the
+    even layout's (batch 1; h2o's even layout also holds the empty slots its next evict_every tokens
+    go to, its runs do not); cam's merge cannot take uneven heads, so it runs even only."""
+    rows = bench_decode(tiny, None, ["full", "snapkv", "h2o", "cam"], [200], [1], Budget(ratio=0.3, min_tokens=0),
+                        steps=3, heads=("even", "adaptive"))
     found = {(row["method"], row["heads"]): row for row in rows}
-    assert sorted(found) == [("full", "-"), ("h2o", "even"), ("snapkv", "adaptive"), ("snapkv", "even")]
+    assert sorted(found) == [("cam", "even"), ("full", "-"), ("h2o", "adaptive"), ("h2o", "even"),
+                             ("snapkv", "adaptive"), ("snapkv", "even")]
     assert found["snapkv", "adaptive"]["kv_mib"] == found["snapkv", "even"]["kv_mib"]
+    assert found["h2o", "adaptive"]["kv_mib"] < found["h2o", "even"]["kv_mib"]
 
 
 def test_the_gpu_script_runs_on_the_cpu(tmp_path):

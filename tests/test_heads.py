@@ -18,6 +18,7 @@ from d2o.runtime.context import compress, load_context
 from d2o.runtime.decoding import Batch, Sequence
 
 ONCE = ["snapkv", "pyramidkv", "kvzip", "expected-attention"]  # the methods that compress once and merge nothing
+EVICTING = ["d2o-novelty", "h2o"]  # methods that evict at every decode step (d2o-novelty merges too)
 EIGHT_HEADS = dict(num_attention_heads=8, num_key_value_heads=8, head_dim=8)
 PROMPT = 200  # tokens: snapkv's window of 32 leaves a layer's heads room to differ at 0.3
 
@@ -131,17 +132,48 @@ def test_adaptive_heads_hold_their_pairs_and_attend_as_padded_heads(arch, method
             assert torch.equal(layer.head_counts().sum(-1), (layer.budget + 6 + 6) * kv_heads)
 
 
-@pytest.mark.parametrize("method", ONCE)
+@pytest.mark.parametrize("method", ONCE + EVICTING)
 def test_one_count_per_head_is_the_even_layout(method):
-    """head_floor=1 gives every KV head its even share: the same tokens as heads=even, in runs."""
+    """head_floor=1 gives every KV head its even share: the same tokens as heads=even, in runs (for a
+    method that evicts while decoding, the same evictions and merges at every step, per run)."""
     model = tiny_model("llama", **EIGHT_HEADS)
     ids = random_ids(PROMPT)
     runs, even = make_cache(model, method, 0.3, heads="adaptive", head_floor=1.0), make_cache(model, method, 0.3)
-    assert greedy(model, ids, runs).tolist() == greedy(model, ids, even).tolist()
+    assert greedy(model, ids, runs, steps=20).tolist() == greedy(model, ids, even, steps=20).tolist()
     for layer, other in zip(runs.layers, even.layers):
         assert isinstance(layer, RaggedLayer)
+        assert torch.equal(layer.merged, other.merged)
         for g, (start, stop) in enumerate(layer.runs):
-            assert sorted(layer.token_index[0, 0, start:stop].tolist()) == sorted(other.token_index[0, g].tolist())
+            held, reference = layer.token_index[0, 0, start:stop], other.token_index[0, g]
+            assert sorted(held[held >= 0].tolist()) == sorted(reference[reference >= 0].tolist())
+
+
+@pytest.mark.parametrize("evict_every", [1, 8])
+@pytest.mark.parametrize("method", EVICTING)
+def test_heads_keep_their_counts_while_decoding_evicts(method, evict_every):
+    """A method that evicts while decoding evicts as many from every KV head of a row, so each head
+    keeps the count the prefill's compression gave it (plus the tokens since the last eviction);
+    the layer holds exactly those pairs, each token once per run, the newest in every run."""
+    model = tiny_model("llama", **EIGHT_HEADS)
+    cache = d2o.CompressedCache(model, d2o.get_method(method, heads="adaptive"), d2o.Budget(ratio=0.3, min_tokens=0),
+                                evict_every=evict_every)
+    counts, logits = None, None
+    with torch.inference_mode():
+        for step in range(20):
+            logits = model(input_ids=random_ids(PROMPT) if step == 0 else logits[:, -1:].argmax(-1), cache=cache).logits
+            now = [layer.head_counts() for layer in cache.layers]
+            counts = counts or now
+            for layer, first, held in zip(cache.layers, counts, now):
+                assert isinstance(layer, RaggedLayer)
+                extra = held - first
+                assert bool((extra == extra[:, :1]).all()) and 0 <= int(extra[0, 0]) < evict_every
+                assert layer.nbytes == int(held.sum()) * (layer.keys[0, 0, 0].nbytes + layer.values[0, 0, 0].nbytes)
+                for start, stop in layer.runs:
+                    tokens = layer.token_index[0, 0, start:stop].tolist()
+                    assert len(set(tokens)) == len(tokens) and PROMPT + step - 1 in tokens
+    assert any(bool((first != first[:, :1]).any()) for first in counts)  # the heads' counts differ
+    if method == "d2o-novelty":
+        assert all(int(layer.merged[0]) > 0 for layer in cache.layers)
 
 
 def test_one_kv_head_keeps_what_the_even_layout_keeps():
@@ -154,15 +186,16 @@ def test_one_kv_head_keeps_what_the_even_layout_keeps():
         assert sorted(layer.token_index.flatten().tolist()) == sorted(other.token_index.flatten().tolist())
 
 
-def test_a_padded_batch_is_each_row_alone():
+@pytest.mark.parametrize("method", ["snapkv", "d2o-novelty"])
+def test_a_padded_batch_is_each_row_alone(method):
     model = tiny_model("llama", **EIGHT_HEADS)
     rows = [random_ids(PROMPT, seed=1)[0], random_ids(PROMPT - 37, seed=2)[0]]
     ids, mask = left_pad(rows)
-    batch = make_cache(model, "snapkv", 0.3, heads="adaptive")
+    batch = make_cache(model, method, 0.3, heads="adaptive")
     together = greedy(model, ids, batch, mask=mask)
     alone_caches = []
     for row, alone in enumerate(rows):
-        cache = make_cache(model, "snapkv", 0.3, heads="adaptive")
+        cache = make_cache(model, method, 0.3, heads="adaptive")
         assert greedy(model, alone[None], cache).tolist() == together[row:row + 1].tolist()
         for mine, theirs in zip(cache.layers, batch.layers):
             assert torch.equal(mine.head_counts()[0], theirs.head_counts()[row])
@@ -176,11 +209,12 @@ def test_a_padded_batch_is_each_row_alone():
     torch.testing.assert_close(left, alone, rtol=1e-5, atol=1e-5)
 
 
-def test_a_context_saved_loaded_and_asked(tmp_path):
+@pytest.mark.parametrize("method", ["kvzip", "d2o-novelty"])
+def test_a_context_saved_loaded_and_asked(tmp_path, method):
     model = tiny_model("llama", **EIGHT_HEADS)
     tokenizer = byte_tokenizer()
     text = "The quick brown fox jumps over the lazy dog near the river bank. " * 4
-    context = compress(model, tokenizer, text, "kvzip", d2o.Budget(ratio=0.3, min_tokens=0), heads="adaptive")
+    context = compress(model, tokenizer, text, method, d2o.Budget(ratio=0.3, min_tokens=0), heads="adaptive")
     assert all(isinstance(layer, RaggedLayer) for layer in context.cache.layers)
     questions = ["What jumps?", "Who is lazy today, and why?"]
     answers = context.ask(questions, max_new_tokens=6).texts
@@ -191,8 +225,8 @@ def test_a_context_saved_loaded_and_asked(tmp_path):
 
 
 @pytest.mark.parametrize("options, message", [
-    (dict(method="h2o", heads="adaptive"), "h2o evicts while decoding"),
-    (dict(method="d2o-novelty", heads="adaptive"), "heads=adaptive is for a method that compresses once"),
+    (dict(method="cam", heads="adaptive"), "which cam's merge cannot fold in"),
+    (dict(method="d2o-official", heads="adaptive"), "d2o-official stores every KV head once per query head"),
     (dict(method="snapkv", heads="uneven"), "heads='uneven' must be one of even, adaptive"),
     (dict(method="snapkv", heads="adaptive", head_floor=2), "head_floor=2 must be a share"),
 ])
@@ -201,7 +235,7 @@ def test_bad_head_options_are_refused(options, message):
         d2o.get_method(options.pop("method"), **options)
 
 
-@pytest.mark.parametrize("method", ["snapkv", "kvzip"])
+@pytest.mark.parametrize("method", ["snapkv", "kvzip", "d2o-novelty"])
 def test_in_chunks_heads_keep_even_counts_until_the_last_chunk_shares_the_layer(method):
     """Every chunk but the last is compressed evenly (the cache holds its budget and a chunk); the
     last one's compression gives each KV head its count, the layer's budget exactly, in runs."""
@@ -220,9 +254,10 @@ def test_in_chunks_heads_keep_even_counts_until_the_last_chunk_shares_the_layer(
     sequence = Sequence(byte_tokenizer(), 4)
     Batch.prefill(model, cache, [random_ids(PROMPT)[0].tolist()], [sequence]).run()
     assert kinds[:3] == [{CompressedLayer}] * 3 and kinds[3] == {RaggedLayer}  # chunks of 8, 64, 64, 64
+    decoded = 0 if policy.evicts_during_decode else 3  # the tokens fed since (evicted at every step, or kept)
     for layer in cache.layers:
         counts = layer.head_counts()
-        assert torch.equal(counts.sum(-1), (layer.budget + 3) * 8) and bool((counts != counts[:, :1]).any())
+        assert torch.equal(counts.sum(-1), (layer.budget + decoded) * 8) and bool((counts != counts[:, :1]).any())
     assert len(sequence.tokens) == 4
     # A prompt no longer than a chunk: as prefilled whole.
     short = d2o.CompressedCache(model, policy, d2o.Budget(ratio=0.3, min_tokens=0), tokenizer=byte_tokenizer(),

@@ -108,7 +108,7 @@ def _decode_in_turn(model, runs: dict[tuple[str, int], Batch]) -> None:
 
 
 def takes_adaptive_heads(name: str) -> bool:
-    """Whether method ``name`` takes ``heads=adaptive`` (it compresses once and merges nothing)."""
+    """Whether method ``name`` takes ``heads=adaptive`` (cam's merge and d2o-official's storage do not)."""
     try:
         get_method(name, heads="adaptive")
     except D2OError:

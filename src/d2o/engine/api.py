@@ -139,7 +139,9 @@ class ProbePass:
 class Evicted:
     """Copies of the tokens leaving a layer: ``keys``/``values`` (B, G, E, D), each None unless the
     merge reads it; ``token_index`` (B, G, E); ``valid`` (B, E) (every head of a row evicts as many;
-    past a row's count, padding); the ``slot_state`` the merge reads and ``log_weight``, (B, G, E, ...)."""
+    past a row's count, padding), or (B, G, E) where KV heads are given counts of their own (to a
+    merge whose ``uneven_heads`` is True); the ``slot_state`` the merge reads and ``log_weight``,
+    (B, G, E, ...)."""
 
     keys: torch.Tensor | None
     values: torch.Tensor | None
@@ -265,6 +267,7 @@ class Merge(Protocol):
     """What happens to evicted tokens: folded into the layer's kept slots instead of being dropped."""
 
     reads: tuple[str, ...]  # the slot states of the evicted tokens it reads (the engine copies only those)
+    uneven_heads: bool  # True: it takes an ``Evicted`` whose KV heads evict unevenly (``valid`` (B, G, E))
     vectors: tuple[str, ...]  # which of their "keys" and "values" it reads (likewise)
 
     def slot_state_bytes(self, group: int) -> int: ...  # per slot and stored KV head, at most

@@ -86,7 +86,12 @@ def _make_attention(backend: str):
         log_weight = None
         request = None
         if layer is not None:
-            layer.admit(new_valid)
+            if isinstance(layer, RaggedLayer) and layer.observing:
+                # Its method evicts while decoding: the pass runs on the layer opened, (B, G, N) slots.
+                layer = layer.open_pass(new_valid)
+                key, value = layer.attended()
+            else:
+                layer.admit(new_valid)
             if isinstance(layer, RaggedLayer):  # compressed once: it observes nothing from then on
                 return _ragged_attention(layer, query, scaling), None
             if layer.observing:

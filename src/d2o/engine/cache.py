@@ -266,11 +266,9 @@ class CompressedCache(Cache):
         """The new tokens' values a policy gives, into every layer's slot state."""
         if values is None:
             return
-        heads = self.layers[0].token_index.shape[1]  # the stored KV heads, as many in every layer
         for name, tensor in values.values.items():
-            per_head = tensor[:, None, :].expand(tensor.shape[0], heads, tensor.shape[1])
             for layer in self.layers:
-                layer.record(name, per_head, values.decay.get(name, 1.0))
+                layer.record(name, tensor, values.decay.get(name, 1.0))
 
     def observe_logits(self, hidden: torch.Tensor, logits: torch.Tensor) -> None:
         """The logits (B, V) the model computed from this pass's last final hidden states ``hidden``

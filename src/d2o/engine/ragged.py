@@ -9,10 +9,14 @@ widest one and free nothing. Attention reads each run as a view, one product per
 query heads stacked (``attention._ragged_attention``); on a GPU a variable-length kernel
 (FlashAttention's varlen over the runs' offsets) would take the place of that loop.
 
-The layer is compressed once, after the prefill: every pass since appends its tokens at the end of
-every run (one copy of the layer per pass, as any layer that does not evict appends), and nothing
-is evicted from it again. Rows, copies and saving work on the one table as in ``CompressedLayer``;
-joining rows pads each run on its own.
+Every pass since appends its tokens at the end of every run (one copy of the layer per pass, as any
+layer that does not evict appends). A method that evicts while decoding (``observing``) reads a
+layer as (B, G, N) slots: for its passes and its evictions the layer is opened, its runs padded
+side by side into an ordinary ``CompressedLayer`` (``opened``) that attends, is observed, evicts
+and merges as any (each KV head evicting as many as the row's excess, so that its count holds), and
+closed again into runs (``close``): the padding lives for one layer's pass or eviction at a time.
+Rows, copies and saving work on the one table as in ``CompressedLayer``; joining rows pads each run
+on its own.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from itertools import accumulate
 
 import torch
 
+from d2o.engine.api import LayerView
+from d2o.engine.selection import take_flat
 from d2o.engine.slots import SlotTable
 from d2o.engine.storage import CompressedLayer
 from d2o.errors import D2OError
@@ -30,6 +36,8 @@ class RaggedLayer(CompressedLayer):
     """A layer of one run of slots per KV head (see the module); ``bounds``: the runs' offsets."""
 
     bounds: list[int]
+    fresh: torch.Tensor | None = None  # (B, q): the token index of each token of the last pass (-1: padding)
+    _open: CompressedLayer | None = None  # the layer opened for the pass running (``open_pass``)
 
     @classmethod
     def kept_from(cls, layer: CompressedLayer, keep: torch.Tensor, keep_valid: torch.Tensor) -> RaggedLayer:
@@ -37,13 +45,27 @@ class RaggedLayer(CompressedLayer):
         head's kept slots first (``selection.select_kept``'s)."""
         new = cls.__new__(cls)
         new.__dict__.update(layer.__dict__)
-        widths = keep_valid.sum(-1).amax(0).tolist()  # each KV head's widest row
-        new._set(SlotTable.cat([layer.slots.slots_between(0, layer.slots.width, slice(g, g + 1))
-                                .take(keep[:, g:g + 1, :width], keep_valid[:, g:g + 1, :width])
-                                for g, width in enumerate(widths)]))
-        new.bounds = [0, *accumulate(widths)]
+        new._take_runs(layer.slots, keep, keep_valid)
         new.owns_storage, new.vacancies, new.written = True, None, None
         return new
+
+    def _take_runs(self, table: SlotTable, keep: torch.Tensor, keep_valid: torch.Tensor) -> None:
+        """Hold the slots ``keep`` (B, G, K) of ``table`` (B, G, N) where ``keep_valid``, as runs: one
+        gather of each field."""
+        batch, heads, width = table.token_index.shape
+        widths = keep_valid.sum(-1).amax(0).tolist()  # each KV head's widest row
+        slots = torch.cat([keep[:, g, :run] for g, run in enumerate(widths)], dim=1)  # (B, T)
+        empty = ~torch.cat([keep_valid[:, g, :run] for g, run in enumerate(widths)], dim=1)[:, None, :]
+        head = torch.repeat_interleave(torch.arange(heads, device=slots.device),
+                                       torch.tensor(widths, device=slots.device))
+        index = ((torch.arange(batch, device=slots.device)[:, None] * heads + head) * width + slots).flatten()
+
+        def gather(tensor: torch.Tensor, fill) -> torch.Tensor:
+            taken = take_flat(tensor, index, empty.shape)
+            return taken.masked_fill_(empty.view(*empty.shape, *(1,) * (taken.dim() - 3)), fill)
+
+        self._set(table.map(gather))
+        self.bounds = [0, *accumulate(widths)]
 
     kv_heads = property(lambda layer: len(layer.bounds) - 1)
     runs = property(lambda layer: list(zip(layer.bounds, layer.bounds[1:])), doc="Each KV head's (start, stop).")
@@ -55,6 +77,38 @@ class RaggedLayer(CompressedLayer):
         valid = self.slots.token_index[:, 0] >= 0
         return torch.stack([valid[:, start:stop].sum(-1) for start, stop in self.runs], dim=1)
 
+    def opened(self, extra: int = 0) -> CompressedLayer:
+        """This layer as an ordinary one, (B, G, N): its runs side by side, each padded with empty
+        slots to the widest and ``extra`` more, in new tensors, with its rows' counts and state;
+        ``close`` takes it back."""
+        batch, _, length = self.slots.token_index.shape
+        widths = [stop - start for start, stop in self.runs]
+        width = max(widths) + extra
+        position = torch.cat([torch.arange(run, device=self.device) + g * width for g, run in enumerate(widths)])
+
+        def spread(tensor: torch.Tensor, fill) -> torch.Tensor:
+            padded = tensor.new_full((batch, self.kv_heads, width, *tensor.shape[3:]), fill)
+            padded.view(batch, self.kv_heads * width, -1).index_copy_(1, position, tensor.reshape(batch, length, -1))
+            return padded
+
+        opened = CompressedLayer.__new__(CompressedLayer)
+        opened.__dict__.update({name: value for name, value in self.__dict__.items()
+                                if name not in ("bounds", "fresh", "_open", "_fed")})
+        opened._set(self.slots.map(spread))
+        opened.owns_storage, opened.vacancies, opened.written, opened.pending = True, None, None, 0
+        opened.view = LayerView(opened, self.view.cache)
+        return opened
+
+    def close(self, opened: CompressedLayer) -> None:
+        """Hold what ``opened`` (``opened()``'s, since attended, evicted from or merged into) holds:
+        each KV head's valid slots, in slot order, as its run."""
+        valid = opened.slots.token_index >= 0
+        counts = valid.sum(-1)
+        keep = (~valid).to(torch.uint8).argsort(dim=-1, stable=True)[..., :int(counts.max())]
+        self._take_runs(opened.slots, keep, torch.arange(keep.shape[-1], device=keep.device) < counts[..., None])
+        for name in (*self.row_fields, "state", "seen"):
+            setattr(self, name, getattr(opened, name))
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Hold the pass's keys and values (B, G, q, D) until ``admit`` appends them to every run;
         the attention reads the runs (``attention._ragged_attention``), not what this returns."""
@@ -62,9 +116,44 @@ class RaggedLayer(CompressedLayer):
         self.pending, self._fed = key_states.shape[-2], (key_states, value_states)
         return key_states, value_states
 
+    def open_pass(self, new_valid: torch.Tensor | None) -> CompressedLayer:
+        """The layer ``opened`` with the pass's tokens (``update``'s) written and admitted: what the
+        attention of a layer that evicts while decoding reads and its method observes; ``settle``
+        closes it once the attention is done."""
+        keys, values = self._fed
+        opened = self.opened(extra=1 if keys.shape[-2] == 1 else 0)  # a decode step's token written into its slot
+        opened.update(keys, values)
+        opened.admit(new_valid)
+        self.fresh = opened.fresh_index(keys.shape[-2])
+        self.pending, self._fed, self._open = 0, None, opened
+        return opened
+
+    def settle(self) -> None:
+        if self._open is not None:
+            opened, self._open = self._open, None
+            self.close(opened)
+
+    def fresh_index(self, q: int) -> torch.Tensor:
+        return self.fresh
+
+    def record(self, name: str, values: torch.Tensor, decay: float) -> None:
+        """The last pass's tokens' ``values`` (B, q) into the slot state ``name`` of every run (found
+        by their token index), the others' times ``decay``."""
+        index = self.slots.token_index[:, 0]  # (B, T)
+        fresh = self.fresh[:, None, :]  # (B, 1, q)
+        match = (index[:, :, None] == fresh) & (fresh >= 0)
+        scores = self.slots.state.get(name)
+        if scores is None:
+            scores = torch.zeros(self.slots.token_index.shape, dtype=torch.float32, device=values.device)
+        elif decay != 1.0:
+            scores *= decay
+        new = (match * values[:, None, :]).sum(-1)
+        self.slots.state[name] = torch.where(match.any(-1)[:, None], new[:, None], scores)
+
     def admit(self, new_valid: torch.Tensor | None) -> None:
         q, (keys, values) = self.pending, self._fed
         index, added = self._new_index(q, new_valid)
+        self.fresh = index
         pieces = []
         for g, (start, stop) in enumerate(self.runs):
             pieces += [self.slots.slots_between(start, stop),
@@ -89,7 +178,7 @@ class RaggedLayer(CompressedLayer):
                        "before the compression")
 
     def keep(self, keep: torch.Tensor, keep_valid: torch.Tensor, slack: int = 0) -> None:
-        raise D2OError("a layer whose KV heads keep counts of their own is compressed once")
+        raise D2OError("a layer whose KV heads keep counts of their own evicts only when opened")
 
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict]:
         tensors, meta = super().state_dict()

@@ -25,6 +25,7 @@ import torch
 
 from d2o.budget import UNLIMITED
 from d2o.engine.api import Evicted, ProbePass
+from d2o.engine.ragged import RaggedLayer
 from d2o.engine.selection import select_evicted, select_kept, select_victim
 from d2o.errors import D2OError
 from d2o.options import whole
@@ -264,10 +265,28 @@ class Schedule:
             for layer, merged in zip(merged_layers, results):
                 layer.apply_merged(merged)
 
+    def _shrink_runs(self, layer: RaggedLayer, target: torch.Tensor, excess: torch.Tensor) -> None:
+        """Bring a layer of runs (one per KV head) back to its budget: opened, every KV head of a row
+        evicts the row's ``excess`` (B,), so that each keeps the count it was given, the policy's merge
+        folds them in, and it is closed again."""
+        policy, merge = self.cache.policy, self.cache.policy.merge
+        opened = layer.opened()
+        scores, protected = policy.score(opened.view).float(), policy.protected(opened.view, target)
+        keep, keep_valid = select_kept(scores, protected, opened.token_index, opened.head_counts() - excess[:, None])
+        evicted = None if merge is None else \
+            opened.evicted(*select_evicted(scores, protected, opened.token_index, excess), merge.reads, merge.vectors)
+        opened.keep(keep, keep_valid)
+        if evicted is not None:
+            opened.apply_merged(merge.merge([opened.view], [evicted])[0])
+        layer.close(opened)
+
     def _shrink(self, layer, target: torch.Tensor, excess: torch.Tensor, most: int, fewest: int, chooser,
                 in_place: bool = False) -> Evicted | None:
         """Bring ``layer`` down to ``target`` (B,) tokens per row, ``excess`` (B,) fewer than it holds
         (``most`` and ``fewest`` of them); returns copies of what left when a merge folds it in."""
+        if isinstance(layer, RaggedLayer):
+            self._shrink_runs(layer, target, excess)
+            return None
         scores, protected = chooser.score(layer.view), chooser.protected(layer.view, target)
         if scores.dtype != torch.float32:
             scores = scores.float()
@@ -289,12 +308,18 @@ class Schedule:
         else:  # a longer input was appended: the kept slots are gathered, k empty ones after them
             counts = policy.head_targets(layer.view, scores, protected, target) if per_head else None
             keep, keep_valid = select_kept(scores, protected, layer.token_index, target if counts is None else counts)
-            if counts is not None:  # each KV head its own count: a run of slots per head (the policy merges nothing)
-                self.cache.keep_per_head(layer, keep, keep_valid)
-                return None
             if merge is not None:
-                evicted = layer.evicted(*select_evicted(scores, protected, layer.token_index, excess), merge.reads,
+                gone = excess if counts is None else layer.head_counts() - counts
+                evicted = layer.evicted(*select_evicted(scores, protected, layer.token_index, gone), merge.reads,
                                         merge.vectors)
+            if counts is not None:  # each KV head its own count: a run of slots per head, merged into opened
+                self.cache.keep_per_head(layer, keep, keep_valid)
+                if evicted is not None:
+                    runs = self.cache.layers[layer.layer_idx]
+                    opened = runs.opened()
+                    opened.apply_merged(merge.merge([opened.view], [evicted])[0])
+                    runs.close(opened)
+                return None
             # The layer is then as wide as it will be when decoding (budget + evict_every).
             batched = self.evict_every > 1 and chooser is policy and policy.evicts_during_decode and \
                 (self.chunks is None or self.chunks.last)

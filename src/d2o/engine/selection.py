@@ -37,8 +37,9 @@ def select_evicted(scores: torch.Tensor, protected: torch.Tensor, token_index: t
                    count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The slots ``select_kept`` leaves out when it keeps all valid slots of row b but ``count[b]``,
     found directly (an eviction of a few slots during decoding): per row and KV head, the lowest
-    scores among the valid slots, unprotected ones first, the older token among equal scores.
-    Indices (B, G, E) in increasing slot order, E = max(count), and (B, E) validity."""
+    scores among the valid slots, unprotected ones first, the older token among equal scores;
+    ``count`` (B,), or (B, G) per KV head. Indices (B, G, E) in increasing slot order, E =
+    max(count), and validity: (B, E), or (B, G, E) per KV head."""
     n_slots = scores.shape[-1]
     empty = token_index < 0
     ranked = scores.masked_fill(protected | empty, float("inf"))
@@ -46,9 +47,10 @@ def select_evicted(scores: torch.Tensor, protected: torch.Tensor, token_index: t
     oldest_first = token_index.masked_fill(empty, torch.iinfo(token_index.dtype).max).argsort(dim=-1)
     order = ranked.gather(-1, oldest_first).argsort(dim=-1, stable=True)
     width = int(count.max())
-    evict_valid = torch.arange(width, device=scores.device)[None, :] < count[:, None]
+    evict_valid = torch.arange(width, device=scores.device) < count[..., None]
+    per_head = evict_valid if evict_valid.dim() == 3 else evict_valid[:, None, :]
     lowest = oldest_first.gather(-1, order[..., :width])
-    slots = lowest.masked_fill(~evict_valid[:, None, :], n_slots).sort(dim=-1).values.clamp_max(n_slots - 1)
+    slots = lowest.masked_fill(~per_head, n_slots).sort(dim=-1).values.clamp_max(n_slots - 1)
     return slots, evict_valid
 
 

@@ -280,13 +280,15 @@ class CompressedLayer(CacheLayerMixin):
             self.state = merged.state
 
     def record(self, name: str, values: torch.Tensor, decay: float) -> None:
-        """The new tokens' ``values`` (B, G, q) into the slot state ``name``, the others' times ``decay``."""
+        """The new tokens' ``values`` (B, q), the same for every KV head, into the slot state ``name``,
+        the others' times ``decay``."""
         scores = self.slots.state.get(name)
         if scores is None:
             scores = torch.zeros(self.slots.token_index.shape, dtype=torch.float32, device=values.device)
         elif decay != 1.0:
             scores *= decay  # the new tokens' slots are overwritten just below
-        scores.scatter_(2, self.fresh_slots(values.shape[2]), values)
+        slots = self.fresh_slots(values.shape[1])
+        scores.scatter_(2, slots, values[:, None, :].expand(slots.shape))
         self.slots.state[name] = scores
 
     # -- eviction -------------------------------------------------------------------------------

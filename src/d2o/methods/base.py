@@ -49,8 +49,8 @@ class Method:
     against the total). ``merge``: None, or a component folding evicted slots into kept ones.
     ``heads``: "even" (every KV head of a layer keeps its budget) or "adaptive" (the layer's
     budget x KV heads pairs go to its best-scoring (token, KV head) pairs, each head keeping at
-    least ``head_floor`` x its even share: AdaKV's rule, ``allocation.head_counts``), for a method
-    that compresses once after the prefill and merges nothing.
+    least ``head_floor`` x its even share: AdaKV's rule, ``allocation.head_counts``); a method that
+    evicts while decoding then evicts as many from every KV head, so that each keeps its count.
     """
 
     name: ClassVar[str] = ""
@@ -98,10 +98,11 @@ class Method:
         check(self.heads in HEADS, "heads", self.heads, f"must be one of {', '.join(HEADS)}")
         check(isinstance(self.head_floor, (int, float)) and 0 <= self.head_floor <= 1, "head_floor", self.head_floor,
               "must be a share of a KV head's even budget, in [0, 1]")
-        if self.per_head_budgets and (self.evicts_during_decode or self.merge is not None or self.repeats_kv_heads):
-            why = "merges evicted tokens" if self.merge is not None else "evicts while decoding"
-            raise D2OError(f"heads=adaptive is for a method that compresses once after the prefill and merges "
-                           f"nothing (snapkv, pyramidkv, kvzip, expected-attention); {self.name} {why}")
+        if self.per_head_budgets and self.repeats_kv_heads:
+            raise D2OError(f"heads=adaptive gives each stored KV head a count of its own; {self.name} stores every KV "
+                           f"head once per query head")
+        if self.per_head_budgets and self.merge is not None and not self.merge.uneven_heads:
+            raise D2OError(f"heads=adaptive evicts unevenly across KV heads, which {self.name}'s merge cannot fold in")
 
     per_head_budgets = property(lambda method: method.heads == "adaptive",
                                 doc="Whether a layer's KV heads keep counts of their own (``head_targets``).")

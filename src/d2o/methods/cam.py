@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -49,6 +50,7 @@ class ProminenceMerge:
     KV head from a generator seeded by (seed, layer, tokens seen, row), so runs are reproducible
     and a batch draws what its rows would alone."""
 
+    uneven_heads: ClassVar[bool] = False  # a row's kept tokens in token order, counted per row
     span: int = 32
     seed: int = 0
 

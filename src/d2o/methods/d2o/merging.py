@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from typing import ClassVar
 
 import torch
 
@@ -106,6 +107,8 @@ class SimilarityMerge:
             raise D2OError("blend=False keeps the kept slots' vectors as they are: without mass=True a merge "
                            "would change nothing")
 
+    uneven_heads: ClassVar[bool] = True  # it folds evictions whose count differs per KV head
+
     @property
     def reads(self) -> tuple[str, ...]:
         """The slot state of evicted tokens the merge reads: what weighs them by attention."""
@@ -172,8 +175,8 @@ class SimilarityMerge:
                                 self._near(layer, lost) if self.min_distance else None)
                    for layer, lost, normalized in zip(layers, evicted, sources.split(batch))]
         best, target = _stack([b for b, _ in similar]), _stack([t for _, t in similar])  # (L*B, G, E)
-        valid = _stack([gone.valid for gone in evicted])  # (L*B, E)
-        gone = valid[:, None, :]
+        valid = _stack([gone.valid for gone in evicted])  # (L*B, E), or (L*B, G, E) where heads evict unevenly
+        gone = valid if valid.dim() == 3 else valid[:, None, :]
         if self.skip_first or self.skip_newest or self.min_distance:  # no slot left to absorb it: just dropped
             gone = gone & (best > NO_TARGET)
 
