@@ -511,7 +511,7 @@ def bench_decode(
     budget_sized_full: bool = typer.Option(False, help="Also the full cache over the prompt's last tokens, as many "
                                            "as the budget keeps: the least a step costs with a cache of that size."),
     heads: str = typer.Option("even", help="Comma-separated: even, adaptive (each KV head its own count: the methods "
-                              "that compress once), each a run."),
+                              "that take it), each a run."),
     model: str = MODEL, shape: Optional[str] = SHAPE, positions: Optional[int] = POSITIONS,
     dtype: str = DTYPE, device: Optional[str] = DEVICE, out: Path = OUT,
 ):

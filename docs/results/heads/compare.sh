@@ -13,3 +13,14 @@ for task in niah:niah-sf passkey:passkey-gpl; do
     done
   done
 done
+# The methods that evict while decoding (evicting/), against the same committed even rows.
+for task in niah:niah-sf passkey:passkey-gpl; do
+  committed=${task%%:*}; heldout=${task##*:}
+  for protocol in "" "-context"; do
+    for method in d2o-novelty d2o-plus-words; do
+      $D2O compare "$HEADS/evicting/$committed$protocol" "$HEADS/evicting/$heldout$protocol" --method "$method" \
+        --against "$method" --against-results "docs/results/$committed$protocol" \
+        --against-results "docs/results/heldout/$heldout$protocol"
+    done
+  done
+done

@@ -33,3 +33,17 @@ done
 $D2O eval --task ruler --task-option length=1024 --limit 5 --seed 0 --protocol context \
   --methods kvzip,snapkv,expected-attention --option kvzip.heads=adaptive --option snapkv.heads=adaptive \
   --option expected-attention.heads=adaptive --budgets 0.1,0.25,0.5 --out "$OUT/ruler-smollm2-1k-context"
+# The methods that evict at every decode step and merge, adaptive, into evicting/ (the same sets and seeds).
+E=d2o-novelty,d2o-plus-words
+EA="--option d2o-novelty.heads=adaptive --option d2o-plus-words.heads=adaptive"
+for protocol in context prompt; do
+  suffix=$([ "$protocol" = context ] && echo "-context" || true)
+  $D2O eval --task niah $NIAH --limit 1 --seed 0 --methods $E $EA --budgets $B --protocol $protocol \
+    --out "$OUT/evicting/niah$suffix"
+  $D2O eval --task niah "${NEEDLE[@]}" $NIAH --limit 1 --seed 2 --methods $E $EA --budgets $B --protocol $protocol \
+    --out "$OUT/evicting/niah-sf$suffix"
+  $D2O eval --task passkey --task-option length=1500 --limit 20 --seed 0 --methods $E $EA --budgets $B \
+    --protocol $protocol --out "$OUT/evicting/passkey$suffix"
+  $D2O eval --task passkey --task-option length=1500 --task-option haystack=/usr/share/common-licenses/GPL-3 \
+    --limit 10 --seed 2 --methods $E $EA --budgets $B --protocol $protocol --out "$OUT/evicting/passkey-gpl$suffix"
+done
