@@ -29,6 +29,7 @@ from transformers.models.llama.modeling_llama import eager_attention_forward
 from d2o.engine.api import AttentionStats, StatsRequest, as_dtype
 from d2o.engine.cache import CompressedCache
 from d2o.engine.ragged import RaggedLayer
+from d2o.engine.shared import SharedPrefixLayer
 from d2o.engine.stats import allowed_keys, attention_stats
 from d2o.engine.storage import HOOK_PREFIX
 from d2o.errors import D2OError
@@ -96,15 +97,22 @@ def _make_attention(backend: str):
                 return _ragged_attention(layer, query, scaling), None
             if layer.observing:
                 request = layer.cache.policy.stats_request(layer.view, n_query)
-            if layer.observing and n_query == 1 and window is None and (request is None or request.visible is None):
-                # A decode step of a layer that evicts: one product with the keys plus the layer's logit bias
-                # (no mask to build, nothing to ask the device); its probabilities give the statistics.
+            shared = isinstance(layer, SharedPrefixLayer) and n_query == 1
+            if (layer.observing or shared) and n_query == 1 and window is None and \
+                    (request is None or request.visible is None):
+                # A decode step of a layer that evicts (or reads a shared prefix): one product with the keys
+                # plus the layer's logit bias (no mask to build, nothing to ask the device); its
+                # probabilities give the statistics.
                 bias = layer.logit_bias(torch.float64 if query.dtype == torch.float64 else torch.float32)
                 output, stats = _one_query_attention(query, key, value, bias, new_valid, scaling,
-                                                     request or NO_STATISTICS)
+                                                     request or NO_STATISTICS,
+                                                     (layer.prefix["keys"], layer.prefix["values"]) if shared else None)
                 if request is not None:
                     _observe(layer, request, stats, query, scaling)
                 return output, None
+            if shared:  # ``update`` handed over the own part alone: this pass reads the gathered view
+                key, value = layer.attended()
+                n_keys = key.shape[2]
             kv_valid = layer.valid  # (B, G, N)
             positions = layer.token_index
             log_weight = layer.log_weight
@@ -180,19 +188,32 @@ def _observe(layer, request: StatsRequest, stats: AttentionStats, query: torch.T
     layer.apply_observed(layer.cache.policy.observe(layer.view, stats))
 
 
-def _one_query_attention(query, key, value, bias, new_valid, scaling, request):
+def _one_query_attention(query, key, value, bias, new_valid, scaling, request, prefix=None):
     """One query per row (a decode step) whose statistics are asked for: its probabilities (float32
     at least) give the output and, for free, the column mass and window row. ``bias`` (B, G, 1, N):
     the slots' log weights, the lowest value for empty ones (added whether there are any or not:
-    asking would make the host wait for the device in every layer of every step)."""
+    asking would make the host wait for the device in every layer of every step). ``prefix``: keys
+    and values (1, G, P, D) every row reads before ``key``/``value`` (a shared prefix, read in place:
+    every row's queries against it as one row's), its slots the first P of ``bias``."""
     batch, heads, _, dim = query.shape
     kv_heads = key.shape[1]
+    group = heads // kv_heads
     dtype = bias.dtype
-    queries = as_dtype(query, dtype).view(batch, kv_heads, heads // kv_heads, dim) * scaling
-    scores = torch.matmul(queries, as_dtype(key, dtype).transpose(-1, -2)).add_(bias)  # (B, G, group, N)
-    probs = torch.softmax(scores, dim=-1)
-    output = as_dtype(torch.matmul(probs, as_dtype(value, dtype)), query.dtype)
-    output = output.view(batch, 1, heads, value.shape[-1])
+    queries = as_dtype(query, dtype).view(batch, kv_heads, group, dim) * scaling
+    scores = torch.matmul(queries, as_dtype(key, dtype).transpose(-1, -2))  # (B, G, group, N)
+    if prefix is not None:
+        stacked = queries.transpose(0, 1).reshape(1, kv_heads, batch * group, dim)
+        shared = torch.matmul(stacked, as_dtype(prefix[0], dtype).transpose(-1, -2))  # (1, G, B x group, P)
+        scores = torch.cat([shared.view(kv_heads, batch, group, -1).transpose(0, 1), scores], dim=-1)
+    probs = torch.softmax(scores.add_(bias), dim=-1)
+    if prefix is None:
+        output = torch.matmul(probs, as_dtype(value, dtype))
+    else:
+        width = prefix[1].shape[2]
+        read = probs[..., :width].transpose(0, 1).reshape(1, kv_heads, batch * group, width)
+        output = torch.matmul(read, as_dtype(prefix[1], dtype)).view(kv_heads, batch, group, -1).transpose(0, 1) \
+            + torch.matmul(probs[..., width:], as_dtype(value, dtype))
+    output = as_dtype(output, query.dtype).reshape(batch, 1, heads, value.shape[-1])
     probs = as_dtype(probs, torch.float32)
     if new_valid is not None:  # a padding query observes nothing (a real one's probabilities times 1 are unchanged)
         probs = probs * new_valid[:, :, None, None]

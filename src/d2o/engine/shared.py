@@ -9,8 +9,12 @@ see one layer. What differs per row is bookkeeping only:
 - keeping (``keep``) leaves the prefix's slots where they are and gathers the own part's alone;
 - a merge that changes a prefix slot's vectors in a row moves that slot into the row's own part
   first (copy on write), so the prefix is the same for every row, always;
-- the attention reads a gathered view (the prefix repeated for the batch, then the own part), made
-  once per pass and dropped after it (``settle``), as a quantized layer's open copy.
+- a decode step's attention reads the prefix in place beside the own part: every row's queries
+  against the prefix as one row's, then against the own parts, one softmax over both (what cascade
+  attention's two passes joined by their log-sum-exp compute; ``attention._one_query_attention``);
+  anything else (a longer pass, a merge) reads a gathered view (the prefix repeated for the batch,
+  then the own part), made once per pass and dropped after it (``settle``), as a quantized layer's
+  open copy.
 
 The prefix's bytes count once (``nbytes``); a saved layer is written whole (a plain layer's form).
 """
@@ -82,6 +86,13 @@ class SharedPrefixLayer(CompressedLayer):
             self._open = tuple(torch.cat([self.prefix[name].expand(batch, -1, -1, -1), self.slots.vectors[name]], 2)
                                for name in VECTORS)
         return self._open
+
+    def passed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode step's: the own part alone, which the attention reads beside the prefix (or it asks
+        for the gathered view, ``attended``, where it cannot); a longer pass's: the gathered view."""
+        if self.pending == 1:
+            return self.slots.vectors["keys"], self.slots.vectors["values"]
+        return self.attended()
 
     def settle(self) -> None:
         self._open = None

@@ -122,6 +122,10 @@ class CompressedLayer(CacheLayerMixin):
         else:
             self._append(key_states, value_states)
             self.written, self.vacancies, self.owns_storage = None, None, True
+        return self.passed()
+
+    def passed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """What ``update`` hands the attention: the keys and values it reads (``attended``)."""
         return self.attended()
 
     def get_seq_length(self) -> int:
