@@ -47,3 +47,14 @@ for protocol in context prompt; do
   $D2O eval --task passkey --task-option length=1500 --task-option haystack=/usr/share/common-licenses/GPL-3 \
     --limit 10 --seed 2 --methods $E $EA --budgets $B --protocol $protocol --out "$OUT/evicting/passkey-gpl$suffix"
 done
+# Without the floor per layer (--min-tokens 0): kvzip adaptive and d2o-novelty, asked after compression.
+for method in kvzip d2o-novelty; do
+  K="--methods $method --budgets 0.1,0.2 --min-tokens 0 --protocol context"
+  [ "$method" = kvzip ] && K="$K --option kvzip.heads=adaptive"
+  F="$OUT/$method-min-tokens0"
+  $D2O eval --task passkey --task-option length=1500 --limit 20 --seed 0 $K --out "$F/passkey-context"
+  $D2O eval --task passkey --task-option length=1500 --task-option haystack=/usr/share/common-licenses/GPL-3 \
+    --limit 10 --seed 2 $K --out "$F/passkey-gpl-context"
+  $D2O eval --task niah $NIAH --limit 1 --seed 0 $K --out "$F/niah-context"
+  $D2O eval --task niah "${NEEDLE[@]}" $NIAH --limit 1 --seed 2 $K --out "$F/niah-sf-context"
+done
