@@ -91,6 +91,7 @@ def _make_attention(backend: str):
                 # Its method evicts while decoding: the pass runs on the layer opened, (B, G, N) slots.
                 layer = layer.open_pass(new_valid)
                 key, value = layer.attended()
+                n_keys = key.shape[2]
             else:
                 layer.admit(new_valid)
             if isinstance(layer, RaggedLayer):  # compressed once: it observes nothing from then on

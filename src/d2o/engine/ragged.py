@@ -10,11 +10,14 @@ query heads stacked (``attention._ragged_attention``); on a GPU a variable-lengt
 (FlashAttention's varlen over the runs' offsets) would take the place of that loop.
 
 Every pass since appends its tokens at the end of every run (one copy of the layer per pass, as any
-layer that does not evict appends). A method that evicts while decoding (``observing``) reads a
-layer as (B, G, N) slots: for its passes and its evictions the layer is opened, its runs padded
-side by side into an ordinary ``CompressedLayer`` (``opened``) that attends, is observed, evicts
-and merges as any (each KV head evicting as many as the row's excess, so that its count holds), and
-closed again into runs (``close``): the padding lives for one layer's pass or eviction at a time.
+layer that does not evict appends). A layer that is observed (``observing``: a method that evicts
+while decoding, or any while a prompt comes in chunks) is read by its method as (B, G, N) slots: for
+each pass and each compression the layer is opened, its runs padded side by side into an ordinary
+``CompressedLayer`` (``opened``) that attends, is observed, evicts and merges as any (after a
+prefill, each KV head evicting as many as the row's excess, so that its count holds; between chunks,
+the layer shared among its heads anew), and closed again into runs (``close``): the padding lives
+for one layer's pass or compression at a time. Probe passes are taken out again (``snapshot``,
+``restore``) as from any layer.
 Rows, copies and saving work on the one table as in ``CompressedLayer``; joining rows pads each run
 on its own.
 """
@@ -174,8 +177,22 @@ class RaggedLayer(CompressedLayer):
         return SlotTable.cat(runs)
 
     def snapshot(self) -> tuple:
-        raise D2OError("a probe pass cannot run over a layer whose KV heads keep counts of their own: run probes "
-                       "before the compression")
+        return super().snapshot(), list(self.bounds)
+
+    def restore(self, snapshot: tuple) -> None:
+        """The layer at ``snapshot`` but for the state the passes since wrote into its slots: a pass
+        appends to every run and closing keeps each row's held slots first, in order, so each run's
+        first slots are still the snapshot's run's."""
+        taken, bounds = snapshot
+        starts = list(self.bounds)
+        state = {name: torch.cat([field[:, :, now:now + stop - start]
+                                  for now, start, stop in zip(starts, bounds, bounds[1:])], dim=2)
+                 for name, field in self.slots.state.items()}
+        super().restore(taken)
+        self.bounds = bounds
+        empty = self.slots.token_index < 0  # a snapshot's empty slot may now hold a pass's token
+        self.slots.state = {name: field.masked_fill(empty.view(*empty.shape, *(1,) * (field.dim() - 3)), 0)
+                            for name, field in state.items()}
 
     def keep(self, keep: torch.Tensor, keep_valid: torch.Tensor, slack: int = 0) -> None:
         raise D2OError("a layer whose KV heads keep counts of their own evicts only when opened")

@@ -266,15 +266,19 @@ class Schedule:
                 layer.apply_merged(merged)
 
     def _shrink_runs(self, layer: RaggedLayer, target: torch.Tensor, excess: torch.Tensor) -> None:
-        """Bring a layer of runs (one per KV head) back to its budget: opened, every KV head of a row
-        evicts the row's ``excess`` (B,), so that each keeps the count it was given, the policy's merge
-        folds them in, and it is closed again."""
+        """Bring a layer of runs (one per KV head) back to its budget ``target`` (B,), ``excess`` (B,)
+        over it: opened; while a prompt comes in chunks, the layer is shared among its KV heads anew
+        (``head_targets``); after it, every KV head of a row evicts the row's excess, so that each keeps
+        the count it was given; the policy's merge folds in what left, and it is closed again."""
         policy, merge = self.cache.policy, self.cache.policy.merge
         opened = layer.opened()
         scores, protected = policy.score(opened.view).float(), policy.protected(opened.view, target)
-        keep, keep_valid = select_kept(scores, protected, opened.token_index, opened.head_counts() - excess[:, None])
-        evicted = None if merge is None else \
-            opened.evicted(*select_evicted(scores, protected, opened.token_index, excess), merge.reads, merge.vectors)
+        held = opened.head_counts()
+        counts = policy.head_targets(opened.view, scores, protected, target) if self.chunks is not None else None
+        counts = held - excess[:, None] if counts is None else counts
+        keep, keep_valid = select_kept(scores, protected, opened.token_index, counts)
+        evicted = None if merge is None else opened.evicted(
+            *select_evicted(scores, protected, opened.token_index, held - counts), merge.reads, merge.vectors)
         opened.keep(keep, keep_valid)
         if evicted is not None:
             opened.apply_merged(merge.merge([opened.view], [evicted])[0])
@@ -291,9 +295,8 @@ class Schedule:
         if scores.dtype != torch.float32:
             scores = scores.float()
         merge, policy = chooser.merge, self.cache.policy
-        # Counts per KV head: the layer is gathered into runs, however few leave. A prompt in chunks
-        # is compressed evenly until its last chunk, whose compression shares the layer among its heads.
-        per_head = chooser is policy and policy.per_head_budgets and (self.chunks is None or self.chunks.last)
+        # Counts per KV head: the layer is gathered into runs, however few leave.
+        per_head = chooser is policy and policy.per_head_budgets
         evicted = None
         if most == 1 and layer.owns_storage and not per_head:
             victim = select_victim(scores, protected, layer.token_index)
