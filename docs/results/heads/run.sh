@@ -58,3 +58,5 @@ for method in kvzip d2o-novelty; do
   $D2O eval --task niah $NIAH --limit 1 --seed 0 $K --out "$F/niah-context"
   $D2O eval --task niah "${NEEDLE[@]}" $NIAH --limit 1 --seed 2 $K --out "$F/niah-sf-context"
 done
+$D2O eval --task ruler --task-option length=1024 --limit 5 --seed 0 --protocol context --methods kvzip \
+  --option kvzip.heads=adaptive --budgets 0.1,0.25,0.5 --min-tokens 0 --out "$OUT/kvzip-min-tokens0/ruler-smollm2-1k-context"
