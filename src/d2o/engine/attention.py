@@ -91,7 +91,6 @@ def _make_attention(backend: str):
                 # Its method evicts while decoding: the pass runs on the layer opened, (B, G, N) slots.
                 layer = layer.open_pass(new_valid)
                 key, value = layer.attended()
-                n_keys = key.shape[2]
             else:
                 layer.admit(new_valid)
             if isinstance(layer, RaggedLayer):  # compressed once: it observes nothing from then on
@@ -113,7 +112,7 @@ def _make_attention(backend: str):
                 return output, None
             if shared:  # ``update`` handed over the own part alone: this pass reads the gathered view
                 key, value = layer.attended()
-                n_keys = key.shape[2]
+            n_keys = key.shape[2]  # the keys this pass reads (what the layer's ``update`` returned, or others)
             kv_valid = layer.valid  # (B, G, N)
             positions = layer.token_index
             log_weight = layer.log_weight

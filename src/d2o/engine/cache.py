@@ -147,10 +147,10 @@ class CompressedCache(Cache):
         new._make_views()
         return new
 
-    def keep_per_head(self, layer: CompressedLayer, keep: torch.Tensor, keep_valid: torch.Tensor) -> None:
-        """Shrink ``layer`` to the slots ``keep`` (B, G, K) valid where ``keep_valid`` (B, G, K): its
-        KV heads keep different counts, so it becomes a ``RaggedLayer`` (a run of slots per head)."""
-        self._replace_layer(RaggedLayer.kept_from(layer, keep, keep_valid))
+    def keep_per_head(self, layer: CompressedLayer) -> None:
+        """``layer``, whose KV heads now hold counts of their own, becomes a ``RaggedLayer`` (a run of
+        slots per head)."""
+        self._replace_layer(RaggedLayer.holding(layer))
 
     def _replace_layer(self, new: CompressedLayer) -> None:
         self.layers[new.layer_idx] = new

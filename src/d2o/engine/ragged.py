@@ -43,22 +43,25 @@ class RaggedLayer(CompressedLayer):
     _open: CompressedLayer | None = None  # the layer opened for the pass running (``open_pass``)
 
     @classmethod
-    def kept_from(cls, layer: CompressedLayer, keep: torch.Tensor, keep_valid: torch.Tensor) -> RaggedLayer:
-        """``layer`` shrunk to the slots ``keep`` (B, G, K) where ``keep_valid`` (B, G, K), each KV
-        head's kept slots first (``selection.select_kept``'s)."""
+    def holding(cls, layer: CompressedLayer) -> RaggedLayer:
+        """``layer`` (B, G, N), whose KV heads hold counts of their own, as runs (``_hold``)."""
         new = cls.__new__(cls)
         new.__dict__.update(layer.__dict__)
-        new._take_runs(layer.slots, keep, keep_valid)
+        new._hold(layer.slots)
         new.owns_storage, new.vacancies, new.written = True, None, None
         return new
 
-    def _take_runs(self, table: SlotTable, keep: torch.Tensor, keep_valid: torch.Tensor) -> None:
-        """Hold the slots ``keep`` (B, G, K) of ``table`` (B, G, N) where ``keep_valid``, as runs: one
+    def _hold(self, table: SlotTable) -> None:
+        """Hold each KV head's valid slots of ``table`` (B, G, N), in slot order, as its run: one
         gather of each field."""
         batch, heads, width = table.token_index.shape
-        widths = keep_valid.sum(-1).amax(0).tolist()  # each KV head's widest row
+        valid = table.token_index >= 0
+        counts = valid.sum(-1)
+        keep = (~valid).to(torch.uint8).argsort(dim=-1, stable=True)  # each row and head's valid slots first
+        widths = counts.amax(0).tolist()  # each KV head's widest row
         slots = torch.cat([keep[:, g, :run] for g, run in enumerate(widths)], dim=1)  # (B, T)
-        empty = ~torch.cat([keep_valid[:, g, :run] for g, run in enumerate(widths)], dim=1)[:, None, :]
+        empty = torch.cat([torch.arange(run, device=slots.device) >= counts[:, g:g + 1]
+                           for g, run in enumerate(widths)], dim=1)[:, None, :]
         head = torch.repeat_interleave(torch.arange(heads, device=slots.device),
                                        torch.tensor(widths, device=slots.device))
         index = ((torch.arange(batch, device=slots.device)[:, None] * heads + head) * width + slots).flatten()
@@ -103,12 +106,9 @@ class RaggedLayer(CompressedLayer):
         return opened
 
     def close(self, opened: CompressedLayer) -> None:
-        """Hold what ``opened`` (``opened()``'s, since attended, evicted from or merged into) holds:
-        each KV head's valid slots, in slot order, as its run."""
-        valid = opened.slots.token_index >= 0
-        counts = valid.sum(-1)
-        keep = (~valid).to(torch.uint8).argsort(dim=-1, stable=True)[..., :int(counts.max())]
-        self._take_runs(opened.slots, keep, torch.arange(keep.shape[-1], device=keep.device) < counts[..., None])
+        """Hold what ``opened`` (``opened()``'s, since attended, evicted from or merged into) holds, as
+        runs (``_hold``), with its rows' counts and state."""
+        self._hold(opened.slots)
         for name in (*self.row_fields, "state", "seen"):
             setattr(self, name, getattr(opened, name))
 

@@ -265,32 +265,13 @@ class Schedule:
             for layer, merged in zip(merged_layers, results):
                 layer.apply_merged(merged)
 
-    def _shrink_runs(self, layer: RaggedLayer, target: torch.Tensor, excess: torch.Tensor) -> None:
-        """Bring a layer of runs (one per KV head) back to its budget ``target`` (B,), ``excess`` (B,)
-        over it: opened; while a prompt comes in chunks, the layer is shared among its KV heads anew
-        (``head_targets``); after it, every KV head of a row evicts the row's excess, so that each keeps
-        the count it was given; the policy's merge folds in what left, and it is closed again."""
-        policy, merge = self.cache.policy, self.cache.policy.merge
-        opened = layer.opened()
-        scores, protected = policy.score(opened.view).float(), policy.protected(opened.view, target)
-        held = opened.head_counts()
-        counts = policy.head_targets(opened.view, scores, protected, target) if self.chunks is not None else None
-        counts = held - excess[:, None] if counts is None else counts
-        keep, keep_valid = select_kept(scores, protected, opened.token_index, counts)
-        evicted = None if merge is None else opened.evicted(
-            *select_evicted(scores, protected, opened.token_index, held - counts), merge.reads, merge.vectors)
-        opened.keep(keep, keep_valid)
-        if evicted is not None:
-            opened.apply_merged(merge.merge([opened.view], [evicted])[0])
-        layer.close(opened)
-
     def _shrink(self, layer, target: torch.Tensor, excess: torch.Tensor, most: int, fewest: int, chooser,
                 in_place: bool = False) -> Evicted | None:
         """Bring ``layer`` down to ``target`` (B,) tokens per row, ``excess`` (B,) fewer than it holds
         (``most`` and ``fewest`` of them); returns copies of what left when a merge folds it in."""
-        if isinstance(layer, RaggedLayer):
-            self._shrink_runs(layer, target, excess)
-            return None
+        runs = layer if isinstance(layer, RaggedLayer) else None
+        if runs is not None:  # a layer of runs is compressed opened, an ordinary layer (B, G, N)
+            layer = runs.opened()
         scores, protected = chooser.score(layer.view), chooser.protected(layer.view, target)
         if scores.dtype != torch.float32:
             scores = scores.float()
@@ -309,19 +290,25 @@ class Schedule:
                 evicted = layer.evicted(slots, valid, merge.reads, merge.vectors)
             layer.drop(slots, valid)
         else:  # a longer input was appended: the kept slots are gathered, k empty ones after them
-            counts = policy.head_targets(layer.view, scores, protected, target) if per_head else None
+            counts = held = None
+            if per_head:  # shared among the heads after a prompt or a chunk; while decoding, every head
+                # of a row evicts the row's excess, so that each keeps the count it was given
+                held = layer.head_counts()
+                counts = policy.head_targets(layer.view, scores, protected, target) \
+                    if runs is None or self.chunks is not None else held - excess[:, None]
             keep, keep_valid = select_kept(scores, protected, layer.token_index, target if counts is None else counts)
             if merge is not None:
-                gone = excess if counts is None else layer.head_counts() - counts
+                gone = excess if counts is None else held - counts
                 evicted = layer.evicted(*select_evicted(scores, protected, layer.token_index, gone), merge.reads,
                                         merge.vectors)
-            if counts is not None:  # each KV head its own count: a run of slots per head, merged into opened
-                self.cache.keep_per_head(layer, keep, keep_valid)
+            if counts is not None:  # each KV head its own count: merged here, then held as a run of slots per head
+                layer.keep(keep, keep_valid)
                 if evicted is not None:
-                    runs = self.cache.layers[layer.layer_idx]
-                    opened = runs.opened()
-                    opened.apply_merged(merge.merge([opened.view], [evicted])[0])
-                    runs.close(opened)
+                    layer.apply_merged(merge.merge([layer.view], [evicted])[0])
+                if runs is None:
+                    self.cache.keep_per_head(layer)
+                else:
+                    runs.close(layer)
                 return None
             # The layer is then as wide as it will be when decoding (budget + evict_every).
             batched = self.evict_every > 1 and chooser is policy and policy.evicts_during_decode and \
