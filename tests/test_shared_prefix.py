@@ -80,6 +80,34 @@ def test_a_row_evicts_prefix_slots_for_itself_and_copies_a_slot_before_a_merge_c
     assert moved > 0 and emptied_for_some > 0
 
 
+@pytest.mark.parametrize("method", ["d2o", "d2o-novelty"])
+def test_a_decode_step_reads_the_prefix_in_place_also_where_it_merges(method, monkeypatch):
+    """A decode step's attention, evictions and merges read the prefix where it is: the gathered view
+    (the prefix repeated for every row) is never made; ``vectors_at`` and ``vector_parts`` give what
+    the gathered view holds."""
+    model = tiny_model("llama")
+    context = compress(model, byte_tokenizer(), CONTEXT, method, BUDGET, evict_every=1)
+    batch, _, _ = asked(context, shared=True, steps=12)
+    layer = batch.cache.layers[0]
+    keys, values = (tensor.clone() for tensor in layer.attended())
+    layer.settle()
+    slots = torch.randint(0, keys.shape[2], (*keys.shape[:2], 5))
+    for name, whole in (("keys", keys), ("values", values)):
+        assert torch.equal(layer.vectors_at(name, slots),
+                           whole.gather(2, slots[..., None].expand(*slots.shape, whole.shape[-1])))
+        prefix, own = layer.vector_parts(name)
+        assert torch.equal(torch.cat([prefix.expand(keys.shape[0], -1, -1, -1), own], 2), whole)
+
+    gathered = []
+    monkeypatch.setattr(SharedPrefixLayer, "attended", lambda layer: gathered.append(layer) or (_ for _ in ()).throw(
+        AssertionError("a decode step gathered the prefix")))
+    merged = sum(int(layer.merged.sum()) for layer in batch.cache.layers)
+    for _ in range(10):
+        batch.step()
+    assert not gathered
+    assert sum(int(layer.merged.sum()) for layer in batch.cache.layers) > merged  # it merged meanwhile
+
+
 def test_rows_of_another_prefix_do_not_join_and_a_shared_cache_saves_whole():
     model = tiny_model("llama")
     tokenizer = byte_tokenizer()

@@ -234,6 +234,17 @@ class LayerView:
         """(B, q): the token index of each token of the last pass (-1: padding)."""
         return self._of.fresh_index(q)
 
+    def vector_parts(self, name: str) -> tuple[torch.Tensor, ...]:
+        """The ``keys`` or ``values`` (``name``) as parts one after another along the slots, each
+        (B or 1, G, n, D): the whole (B, G, N, D) of most layers; rows reading a shared prefix, the
+        prefix (1, G, P, D) in place, then their own slots. A reader of every slot at a decode step
+        (a merge's similarities) that takes the parts never copies the prefix for each row."""
+        return self._of.vector_parts(name)
+
+    def vectors_at(self, name: str, slots: torch.Tensor) -> torch.Tensor:
+        """(B, G, K, D): the ``keys`` or ``values`` (``name``) of the ``slots`` (B, G, K), copied."""
+        return self._of.vectors_at(name, slots)
+
 
 class CacheView:
     """The cache as a method reads it."""

@@ -173,7 +173,7 @@ class QuantizedLayer(CompressedLayer):
             self.ring_vectors = opened.gather(2, self.ring_slots.clamp_min(0)[..., None, None].expand(
                 self.ring_vectors.shape))
 
-    def _take_vectors(self, take, vectors: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    def _take_vectors(self, take, vectors: tuple[str, ...], slots: torch.Tensor) -> dict[str, torch.Tensor]:
         self._encode_newest()
         both = take(self._open) if self._open is not None else \
             self.quantization.decode({part: take(tensor) for part, tensor in self.slots.vectors.items()}).to(self.dtype)

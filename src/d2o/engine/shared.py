@@ -12,9 +12,12 @@ see one layer. What differs per row is bookkeeping only:
 - a decode step's attention reads the prefix in place beside the own part: every row's queries
   against the prefix as one row's, then against the own parts, one softmax over both (what cascade
   attention's two passes joined by their log-sum-exp compute; ``attention._one_query_attention``);
-  anything else (a longer pass, a merge) reads a gathered view (the prefix repeated for the batch,
-  then the own part), made once per pass and dropped after it (``settle``), as a quantized layer's
-  open copy.
+  its evictions and merges too: the evicted and target slots' vectors are taken where they are
+  (``vectors_at``), and a merge compares the evicted keys with the prefix and the own part as two
+  parts (``vector_parts``: every row's evicted keys against the prefix in one product);
+- a longer pass, and a merge of several tokens at once, read a gathered view (the prefix repeated
+  for the batch, then the own part), made once per pass and dropped after it (``settle``), as a
+  quantized layer's open copy.
 
 The prefix's bytes count once (``nbytes``); a saved layer is written whole (a plain layer's form).
 """
@@ -123,8 +126,24 @@ class SharedPrefixLayer(CompressedLayer):
         self.slots.vectors["values"].scatter_(2, value_slots, value_states)
         self._open = None
 
-    def _take_vectors(self, take, vectors: tuple[str, ...]) -> dict[str, torch.Tensor]:
-        return {name: take(tensor) for name, tensor in zip(VECTORS, self.attended()) if name in vectors}
+    def _take_vectors(self, take, vectors: tuple[str, ...], slots: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {name: self.vectors_at(name, slots) for name in vectors}
+
+    def vector_parts(self, name: str) -> tuple[torch.Tensor, ...]:
+        """The prefix (1, G, P, D), read in place, then the own part (B, G, N, D)."""
+        return self.prefix[name], self.slots.vectors[name]
+
+    def vectors_at(self, name: str, slots: torch.Tensor) -> torch.Tensor:
+        """The vectors of the ``slots`` (B, G, K), each from the prefix or the own part where it is
+        (no gathered view)."""
+        width, own = self.prefix_width, self.slots.vectors[name]
+        shape = (*slots.shape, own.shape[-1])
+        taken = self.prefix[name].expand(slots.shape[0], -1, -1, -1).gather(
+            2, slots.clamp_max(width - 1)[..., None].expand(shape))
+        if own.shape[2] == 0:
+            return taken
+        from_own = own.gather(2, (slots - width).clamp(0, own.shape[2] - 1)[..., None].expand(shape))
+        return torch.where((slots < width)[..., None], taken, from_own)
 
     def keep(self, keep: torch.Tensor, keep_valid: torch.Tensor, slack: int = 0) -> None:
         """``CompressedLayer.keep`` that leaves the prefix's slots in place, emptying those not kept,

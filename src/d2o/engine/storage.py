@@ -177,9 +177,19 @@ class CompressedLayer(CacheLayerMixin):
             else:
                 self.slots.vectors[name] = new
 
-    def _take_vectors(self, take, vectors: tuple[str, ...]) -> dict[str, torch.Tensor]:
-        """``vectors`` ("keys", "values") of some slots, copied by ``take`` (a function of a field)."""
+    def _take_vectors(self, take, vectors: tuple[str, ...], slots: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``vectors`` ("keys", "values") of the ``slots`` (B, G, K), copied by ``take`` (a function of a
+        field)."""
         return {name: take(self.slots.vectors[name]) for name in vectors}
+
+    def vector_parts(self, name: str) -> tuple[torch.Tensor, ...]:
+        """The keys or values (``name``) as parts one after another along the slots: this layer's whole."""
+        return (getattr(self, name),)
+
+    def vectors_at(self, name: str, slots: torch.Tensor) -> torch.Tensor:
+        """The keys or values (``name``) of the ``slots`` (B, G, K), as the attention reads them: a copy."""
+        vectors = getattr(self, name)
+        return vectors.gather(2, slots[..., None].expand(*slots.shape, vectors.shape[-1]))
 
     def settle(self) -> None:
         """The pass is over (its attention, or its eviction): a quantized layer closes its open copy."""
@@ -301,7 +311,7 @@ class CompressedLayer(CacheLayerMixin):
         """Copies of what the slots (B, G, E) hold (``valid`` (B, E)): the slot ``states`` (None: all)
         and ``vectors`` a merge reads."""
         index = self.slots.flat(slots)
-        taken = self._take_vectors(lambda tensor: take_flat(tensor, index, slots.shape), vectors)
+        taken = self._take_vectors(lambda tensor: take_flat(tensor, index, slots.shape), vectors, slots)
         return Evicted(keys=taken.get("keys"), values=taken.get("values"), valid=valid,
                        **self.slots.copies(index, slots.shape, states))
 

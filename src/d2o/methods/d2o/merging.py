@@ -171,7 +171,7 @@ class SimilarityMerge:
         on = "keys" if self.on == "key" else "values"
         sources = as_dtype(_stack([getattr(gone, on) for gone in evicted]), torch.float32)
         sources = torch.nn.functional.normalize(sources, dim=-1)
-        similar = [most_similar(normalized, getattr(layer, on), self._barred(layer),
+        similar = [most_similar(normalized, layer.vector_parts(on), self._barred(layer),
                                 self._near(layer, lost) if self.min_distance else None)
                    for layer, lost, normalized in zip(layers, evicted, sources.split(batch))]
         best, target = _stack([b for b, _ in similar]), _stack([t for _, t in similar])  # (L*B, G, E)
@@ -269,12 +269,10 @@ class SimilarityMerge:
             denominator = self_weight + counts
             own_share, source_share = (self_weight / denominator)[..., None], (source_weight / denominator)[..., None]
             for part in parts:
-                kept = [getattr(layer, part) for layer in layers]
-                current = as_dtype(_stack([vectors.gather(2, target[row][..., None].expand(*target[row].shape,
-                                                                                           vectors.shape[-1]))
-                                           for vectors, row in zip(kept, rows)]), torch.float32)
+                current = _stack([layer.vectors_at(part, target[row]) for layer, row in zip(layers, rows)])
+                dtype, current = current.dtype, as_dtype(current, torch.float32)
                 sources = as_dtype(_stack([getattr(gone, part) for gone in evicted]), torch.float32)
-                blended = torch.addcmul(current * own_share, sources, source_share).to(kept[0].dtype)
+                blended = torch.addcmul(current * own_share, sources, source_share).to(dtype)
                 for result, row in zip(results, rows):
                     setattr(result, part, blended[row])
             for result, row in zip(results, rows):
@@ -346,24 +344,28 @@ def rank_within_target(target: torch.Tensor, merged: torch.Tensor, best: torch.T
     return torch.empty_like(rank).scatter_(-1, order, rank)
 
 
-def most_similar(sources: torch.Tensor, targets: torch.Tensor, barred: torch.Tensor, near=None):
-    """Best cosine similarity of each source (B, G, E, D), normalised already, with a target
-    (B, G, K, D) that is not ``barred`` (per KV head, (B, G, K)), nor marked by ``near(part)`` (if
-    given: (B, G, e, K) for the sources of the slice ``part`` of E), and its index.
+def most_similar(sources: torch.Tensor, targets: tuple[torch.Tensor, ...], barred: torch.Tensor, near=None):
+    """Best cosine similarity of each source (B, G, E, D), normalised already, with a target that
+    is not ``barred`` (per KV head, (B, G, K)), nor marked by ``near(part)`` (if given: (B, G, e, K)
+    for the sources of the slice ``part`` of E), and its index. The K targets come in parts one
+    after another (``LayerView.vector_parts``), each (B, G, k, D), or (1, G, k, D) for every row.
 
     The targets are the whole kept cache, at every decode step: their dot products with the
     sources are divided by their norms rather than normalising them, so they are read twice and
-    never copied."""
-    targets = as_dtype(targets, torch.float32)
-    target_scale = torch.linalg.vector_norm(targets, dim=-1).clamp_min_(NORM_EPS).reciprocal_()[:, :, None, :]
-    targets_t = targets.transpose(-1, -2)
+    never copied; a part shared by every row is multiplied by all rows' sources at once."""
+    parts = [as_dtype(part, torch.float32) for part in targets]
+    scales = [torch.linalg.vector_norm(part, dim=-1).clamp_min_(NORM_EPS).reciprocal_()[:, :, None, :]
+              for part in parts]
+    transposed = [part.transpose(-1, -2) for part in parts]
     barred = barred[:, :, None, :]  # scored NO_TARGET: below any cosine similarity
     batch, heads, n_sources, _ = sources.shape
-    chunk = max(1, CHUNK_ELEMENTS // max(1, batch * heads * targets.shape[2]))
+    chunk = max(1, CHUNK_ELEMENTS // max(1, batch * heads * barred.shape[-1]))
     best, index = [], []
     for start in range(0, max(n_sources, 1), chunk):
         part = slice(start, min(start + chunk, n_sources))
-        similarity = torch.matmul(sources[:, :, part], targets_t).mul_(target_scale).masked_fill_(barred, NO_TARGET)
+        products = [_dots(sources[:, :, part], part_t).mul_(scale) for part_t, scale in zip(transposed, scales)]
+        similarity = products[0] if len(products) == 1 else torch.cat(products, dim=-1)
+        similarity.masked_fill_(barred, NO_TARGET)
         if near is not None:
             similarity.masked_fill_(near(part), NO_TARGET)
         values, indices = similarity.max(dim=-1)
@@ -372,3 +374,14 @@ def most_similar(sources: torch.Tensor, targets: torch.Tensor, barred: torch.Ten
     if len(best) == 1:
         return best[0], index[0]
     return torch.cat(best, dim=-1), torch.cat(index, dim=-1)
+
+
+def _dots(sources: torch.Tensor, targets_t: torch.Tensor) -> torch.Tensor:
+    """(B, G, e, k): ``sources`` (B, G, e, D) times ``targets_t`` (B, G, D, k), or (1, G, D, k) for
+    every row: then one product per KV head of all rows' sources (broadcasting would copy the
+    targets for each row)."""
+    batch, heads, count, dim = sources.shape
+    if targets_t.shape[0] == batch:
+        return torch.matmul(sources, targets_t)
+    stacked = sources.transpose(0, 1).reshape(heads, batch * count, dim)
+    return torch.bmm(stacked, targets_t[0]).view(heads, batch, count, -1).transpose(0, 1)
