@@ -9,7 +9,7 @@ import torch
 from conftest import byte_tokenizer, greedy, left_pad, make_cache, random_ids, tiny_model
 
 import d2o
-from d2o.engine.ragged import RaggedLayer
+from d2o.engine.ragged import QuantizedRaggedLayer, RaggedLayer
 from d2o.engine.slots import SlotTable
 from d2o.engine.storage import CompressedLayer
 from d2o.errors import D2OError
@@ -148,8 +148,9 @@ def test_one_count_per_head_is_the_even_layout(method):
             assert sorted(held[held >= 0].tolist()) == sorted(reference[reference >= 0].tolist())
 
 
+@pytest.mark.parametrize("kv_bits", [None, 4])
 @pytest.mark.parametrize("method", ["snapkv", "kvzip"])
-def test_one_count_per_head_in_chunks_is_the_even_layout(method):
+def test_one_count_per_head_in_chunks_is_the_even_layout(method, kv_bits):
     """In chunks of 64, the layers become runs at the first compression and take the next chunks and
     the probe passes after each (KVzip's reconstruction, snapkv's question), taken out again
     (``RaggedLayer.snapshot``/``restore``): with every head its even share, the even layout's tokens."""
@@ -157,7 +158,8 @@ def test_one_count_per_head_in_chunks_is_the_even_layout(method):
     ids = random_ids(PROMPT)
     budget = d2o.Budget(ratio=0.3, min_tokens=0)
     runs, even = (d2o.CompressedCache(model, d2o.get_method(method, **options), budget, tokenizer=byte_tokenizer(),
-                                      prefill_chunk=64) for options in (dict(heads="adaptive", head_floor=1.0), {}))
+                                      prefill_chunk=64, kv_bits=kv_bits)
+                  for options in (dict(heads="adaptive", head_floor=1.0), {}))
     assert greedy(model, ids, runs).tolist() == greedy(model, ids, even).tolist()
     for layer, other in zip(runs.layers, even.layers):
         assert isinstance(layer, RaggedLayer)
@@ -294,10 +296,55 @@ def test_in_chunks_every_compression_shares_the_layer_among_its_heads(method):
     assert greedy(model, ids, short).tolist() == greedy(model, ids, whole).tolist()
 
 
-def test_quantized_keys_and_values_are_refused_with_adaptive_heads():
-    model = tiny_model("llama")
-    with pytest.raises(D2OError, match="kv_bits is not supported"):
-        d2o.CompressedCache(model, d2o.get_method("snapkv", heads="adaptive"), 0.3, kv_bits=4)
+@pytest.mark.parametrize("residual", [32, 0])
+@pytest.mark.parametrize("method", ["kvzip", "d2o-novelty"])
+def test_quantized_runs_are_the_quantized_even_layout_with_one_count_per_head(method, residual):
+    """kv_bits with runs: with every head its even share (head_floor=1), the quantized even layout's
+    tokens, per-head token sets and merges after 20 decode steps, in the packed bytes of those pairs
+    and the same residual (the newest tokens in full precision, named by their slots in each run)."""
+    model = tiny_model("llama", **EIGHT_HEADS)
+    ids = random_ids(PROMPT)
+    bits = d2o.KVQuantization(bits=4, residual=residual)
+    runs, even = (d2o.CompressedCache(model, d2o.get_method(method, **options), d2o.Budget(ratio=0.3, min_tokens=0),
+                                      tokenizer=byte_tokenizer(), kv_bits=bits)
+                  for options in (dict(heads="adaptive", head_floor=1.0), {}))
+    assert greedy(model, ids, runs, steps=20).tolist() == greedy(model, ids, even, steps=20).tolist()
+    for layer, other in zip(runs.layers, even.layers):
+        assert isinstance(layer, QuantizedRaggedLayer)
+        assert torch.equal(layer.merged, other.merged)
+        held = layer.token_index[0, 0]
+        for g, (start, stop) in enumerate(layer.runs):
+            reference = other.token_index[0, g]
+            assert sorted(held[start:stop][held[start:stop] >= 0].tolist()) == \
+                sorted(reference[reference >= 0].tolist())
+            if residual:  # the same tokens in full precision (the even layout's entry for a slot it emptied
+                # stays until a token takes that slot; a run's is dropped at once)
+                mine, theirs = layer.ring_slots[0, g], other.ring_slots[0, g]
+                theirs = reference[theirs[theirs >= 0]]
+                assert sorted(held[start:stop][mine[mine >= 0]].tolist()) == sorted(theirs[theirs >= 0].tolist())
+        pairs = int((held >= 0).sum())
+        stored = other.slots.vectors
+        pair_bytes = sum(tensor[0, 0, 0].nbytes for tensor in stored.values())
+        assert layer.nbytes_parts["levels"] + layer.nbytes_parts["scales"] == pairs * pair_bytes
+        assert layer.nbytes_parts["residual"] == other.nbytes_parts["residual"]
+
+
+@pytest.mark.parametrize("method", ["kvzip", "d2o-novelty"])
+def test_quantized_runs_hold_their_counts_and_a_saved_context_answers_the_same(tmp_path, method):
+    model = tiny_model("llama", **EIGHT_HEADS)
+    tokenizer = byte_tokenizer()
+    text = "The quick brown fox jumps over the lazy dog near the river bank. " * 4
+    context = compress(model, tokenizer, text, method, d2o.Budget(ratio=0.3, min_tokens=0), heads="adaptive",
+                       kv_bits=4, evict_every=1)
+    layers = context.cache.layers
+    assert all(isinstance(layer, QuantizedRaggedLayer) for layer in layers)
+    assert any(bool((layer.head_counts() != layer.head_counts()[:, :1]).any()) for layer in layers)
+    questions = ["What jumps?", "Who is lazy today, and why?"]
+    answers = context.ask(questions, max_new_tokens=6).texts
+    loaded = load_context(context.save(tmp_path / "context.safetensors"), model, tokenizer)
+    assert all(isinstance(layer, QuantizedRaggedLayer) for layer in loaded.cache.layers)
+    assert loaded.ask(questions, max_new_tokens=6).texts == answers
+    assert [context.ask(question, max_new_tokens=6).text for question in questions] == answers
 
 
 def test_a_batch_of_adaptive_rows_under_a_memory_cap_is_refused():

@@ -87,8 +87,9 @@ def _make_attention(backend: str):
         log_weight = None
         request = None
         if layer is not None:
-            if isinstance(layer, RaggedLayer) and layer.observing:
-                # Its method evicts while decoding: the pass runs on the layer opened, (B, G, N) slots.
+            if isinstance(layer, RaggedLayer) and layer.attends_opened:
+                # Its method evicts while decoding, or it is stored quantized: the pass runs on the layer
+                # opened, (B, G, N) slots.
                 layer = layer.open_pass(new_valid)
                 key, value = layer.attended()
             else:

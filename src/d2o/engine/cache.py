@@ -20,7 +20,7 @@ from d2o.engine.model_facts import ModelFacts, compressible_layers, head_dim, sl
 from d2o.engine.probing import Prober
 from d2o.engine.quantization import KVQuantization
 from d2o.engine.quantized import QuantizedLayer
-from d2o.engine.ragged import RaggedLayer
+from d2o.engine.ragged import QuantizedRaggedLayer, RaggedLayer
 from d2o.engine.report import CacheReport, report_of
 from d2o.engine.schedule import Schedule
 from d2o.engine.shared import SharedPrefixLayer
@@ -79,9 +79,6 @@ class CompressedCache(Cache):
         self.compressible = compressible_layers(windows, self.budget.unlimited)
         if self.quantization is not None:
             self.quantization.check(head_dim(config))
-            if policy.per_head_budgets:
-                raise D2OError(f"{policy.name} with heads=adaptive keeps keys and values in the model's dtype: "
-                               f"kv_bits is not supported with it (use heads=even)")
         quantized = self.quantization
         super().__init__(layers=[CompressedLayer(self, i, window) if quantized is None else
                                  QuantizedLayer(self, i, window, quantized) for i, window in enumerate(windows)])
@@ -150,7 +147,7 @@ class CompressedCache(Cache):
     def keep_per_head(self, layer: CompressedLayer) -> None:
         """``layer``, whose KV heads now hold counts of their own, becomes a ``RaggedLayer`` (a run of
         slots per head)."""
-        self._replace_layer(RaggedLayer.holding(layer))
+        self._replace_layer((QuantizedRaggedLayer if isinstance(layer, QuantizedLayer) else RaggedLayer).holding(layer))
 
     def _replace_layer(self, new: CompressedLayer) -> None:
         self.layers[new.layer_idx] = new
@@ -181,6 +178,9 @@ class CompressedCache(Cache):
                for mine, theirs in zip(*([getattr(layer, "prefix", None) for layer in cache.layers]
                                          for cache in (self, other)))):
             return "only rows reading the same shared prefix (or none) can share a batch"
+        if any(isinstance(mine, RaggedLayer) != isinstance(theirs, RaggedLayer)
+               for mine, theirs in zip(self.layers, other.layers)):
+            return "rows whose KV heads keep counts of their own (heads=adaptive, compressed) join only rows that do"
         if other.schedule.allocated != self.schedule.allocated or other.schedule.holds or self.schedule.holds:
             return "caches join a batch once both are compressing (after their prefill), never while held"
         return None
@@ -308,7 +308,8 @@ class CompressedCache(Cache):
             raise D2OError(f"the saved context has {len(meta['layers'])} layers, the model {len(self.layers)}")
         for i, (layer, saved) in enumerate(zip(self.layers, meta["layers"])):
             if saved is not None and "bounds" in saved:
-                self._replace_layer(layer := RaggedLayer(self, i, layer.window))
+                self._replace_layer(layer := RaggedLayer(self, i, layer.window) if self.quantization is None else
+                                    QuantizedRaggedLayer(self, i, layer.window, self.quantization))
             if saved is not None:
                 layer.load_state_dict(named(tensors, f"{i}."), saved, dtype)
         self.schedule.forwards, self.schedule.allocated, self.prober.probed = (meta[name] for name in (

@@ -184,7 +184,7 @@ class QuantizedLayer(CompressedLayer):
         self._write_out()  # before the residual's slots move
         if self.ring_slots is not None:
             position = torch.arange(keep.shape[2], device=keep.device).expand_as(keep)
-            position = torch.where(keep_valid[:, None, :], position, -1)
+            position = torch.where(keep_valid if keep_valid.dim() == 3 else keep_valid[:, None, :], position, -1)
             moved = torch.full(self.slots.token_index.shape, -1, dtype=keep.dtype, device=keep.device)
             moved.scatter_reduce_(2, keep, position, "amax")  # each old slot's new slot (-1: evicted)
             slots = self.ring_slots

@@ -29,6 +29,8 @@ from itertools import accumulate
 import torch
 
 from d2o.engine.api import LayerView
+from d2o.engine.quantization import KVQuantization
+from d2o.engine.quantized import QuantizedLayer
 from d2o.engine.selection import take_flat
 from d2o.engine.slots import SlotTable
 from d2o.engine.storage import CompressedLayer
@@ -41,6 +43,10 @@ class RaggedLayer(CompressedLayer):
     bounds: list[int]
     fresh: torch.Tensor | None = None  # (B, q): the token index of each token of the last pass (-1: padding)
     _open: CompressedLayer | None = None  # the layer opened for the pass running (``open_pass``)
+    opened_kind = CompressedLayer  # what ``opened`` makes
+
+    attends_opened = property(lambda layer: layer.observing,
+                              doc="Whether a pass runs on the layer opened (``open_pass``), not on its runs.")
 
     @classmethod
     def holding(cls, layer: CompressedLayer) -> RaggedLayer:
@@ -97,20 +103,21 @@ class RaggedLayer(CompressedLayer):
             padded.view(batch, self.kv_heads * width, -1).index_copy_(1, position, tensor.reshape(batch, length, -1))
             return padded
 
-        opened = CompressedLayer.__new__(CompressedLayer)
+        opened = self.opened_kind.__new__(self.opened_kind)
         opened.__dict__.update({name: value for name, value in self.__dict__.items()
                                 if name not in ("bounds", "fresh", "_open", "_fed")})
         opened._set(self.slots.map(spread))
         opened.owns_storage, opened.vacancies, opened.written, opened.pending = True, None, None, 0
+        opened._open = None  # (a quantized layer's decoded copy)
         opened.view = LayerView(opened, self.view.cache)
         return opened
 
     def close(self, opened: CompressedLayer) -> None:
         """Hold what ``opened`` (``opened()``'s, since attended, evicted from or merged into) holds, as
         runs (``_hold``), with its rows' counts and state."""
-        self._hold(opened.slots)
         for name in (*self.row_fields, "state", "seen"):
             setattr(self, name, getattr(opened, name))
+        self._hold(opened.slots)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Hold the pass's keys and values (B, G, q, D) until ``admit`` appends them to every run;
@@ -204,3 +211,47 @@ class RaggedLayer(CompressedLayer):
     def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict, dtype: torch.dtype) -> None:
         super().load_state_dict(tensors, meta, dtype)
         self.bounds = list(meta["bounds"])
+
+
+class QuantizedRaggedLayer(RaggedLayer):
+    """A ``RaggedLayer`` whose keys and values are stored at ``kv_bits`` (``quantized``): its runs hold
+    the packed levels, steps and zero points of its kept pairs. Every pass runs on the layer opened,
+    a ``QuantizedLayer`` (B, G, N) whose slot j of KV head g is slot j of run g: so the residual (the
+    newest tokens of each row and KV head in full precision, (B, G, r)) names its slots within each
+    run and goes into the opened layer as it is; closing encodes what the pass wrote and renames the
+    residual's slots as the runs are made again."""
+
+    row_fields = QuantizedLayer.row_fields
+    opened_kind = QuantizedLayer
+    attends_opened = True
+    nbytes = QuantizedLayer.nbytes
+    nbytes_parts = QuantizedLayer.nbytes_parts
+
+    def __init__(self, cache, layer_idx: int, window: int | None, quantization: KVQuantization):
+        self.quantization = quantization
+        super().__init__(cache, layer_idx, window)
+
+    def _clear(self) -> None:
+        self.ring_slots = self.ring_vectors = None
+        self._unencoded = 0
+        super()._clear()
+
+    @classmethod
+    def holding(cls, layer: QuantizedLayer) -> QuantizedRaggedLayer:
+        layer._write_out()
+        return super().holding(layer)
+
+    def _hold(self, table: SlotTable) -> None:
+        """``RaggedLayer._hold``, the residual's slots (of ``table``'s (B, G, N) layout) renamed to
+        their places in the runs: a valid slot's rank among its head's valid slots."""
+        if self.ring_slots is not None:
+            valid = table.token_index >= 0
+            slots = self.ring_slots.clamp_min(0)
+            rank = valid.long().cumsum(-1) - 1
+            kept = (self.ring_slots >= 0) & valid.gather(2, slots)
+            self.ring_slots = torch.where(kept, rank.gather(2, slots), -1)
+        super()._hold(table)
+
+    def close(self, opened: QuantizedLayer) -> None:
+        opened._write_out()  # every token it wrote encoded, before its slots move
+        super().close(opened)
