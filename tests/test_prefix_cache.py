@@ -133,17 +133,19 @@ def test_eight_concurrent_questions_on_a_kept_document_hold_it_once(real_model):
     assert values["d2o_kv_bytes_peak"] < 0.5 * 8 * kept
 
 
-@pytest.mark.parametrize("share_prefixes, kv_bits", [(False, None), (True, 4)])
-def test_a_server_copying_kept_documents_answers_alike(real_model, share_prefixes, kv_bits):
+@pytest.mark.parametrize("share_prefixes, kv_bits, heads", [(False, None, "even"), (True, 4, "even"),
+                                                            (True, None, "adaptive"), (True, 4, "adaptive")])
+def test_a_server_copying_kept_documents_answers_alike(real_model, share_prefixes, kv_bits, heads):
     """Each request copies the kept document when told to (``share_prefixes=False``, ``bench serve
-    --prefix-sharing copied``) or when its keys are stored quantized (a packed layer is no prefix);
-    the answers are the library's."""
+    --prefix-sharing copied``) or when its layers cannot be read in place (keys stored quantized, a
+    run of slots per KV head); the answers are the library's."""
     model, tokenizer = real_model
     document = [{"role": "system", "content": "Answer from this document.\n\n" + essay(tokenizer, 300)}]
     questions = [{"role": "user", "content": "What is it about?"}, {"role": "user", "content": "Who wrote it?"}]
-    context = compress(model, tokenizer, document, "d2o-novelty", 0.2, chat=True, kv_bits=kv_bits)
+    context = compress(model, tokenizer, document, "d2o-novelty", 0.2, chat=True, kv_bits=kv_bits, heads=heads)
     with serving(model, tokenizer, kv_memory=parse_bytes("256MB"), prefix_cache_memory=parse_bytes("32MB"),
-                 share_prefixes=share_prefixes, kv_bits=kv_bits) as (url, _):
+                 share_prefixes=share_prefixes, kv_bits=kv_bits,
+                 method_options={"d2o-novelty": {"heads": heads}}) as (url, _):
         answers = [ask(url, document + [question]) for question in questions]
     assert answers[1].usage.prompt_tokens_details.cached_tokens == len(context.ids)
     assert [a.choices[0].message.content for a in answers] == [context.ask(q["content"], 10).text for q in questions]

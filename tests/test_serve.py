@@ -32,7 +32,7 @@ from d2o.serve.app import serving as in_thread
 from d2o.options import parse_bytes
 from d2o.serve.config import ServeConfig
 from d2o.serve.engine import Engine, fit
-from d2o.serve.jobs import stable_text
+from d2o.serve.jobs import Lane, stable_text
 from d2o.serve.protocol import APIError, CompletionRequest
 
 pytestmark = pytest.mark.real_model
@@ -608,6 +608,44 @@ def test_a_server_storing_keys_at_4_bits_answers_as_generate_does_and_admits_by_
     assert metrics['d2o_kv_fit_requests{budget="0.2",method="d2o"}'] == fit(parse_bytes("64MB"), quantized)
 
 
+@pytest.mark.parametrize("method", ["kvzip", "d2o-novelty"])
+def test_a_server_with_adaptive_heads_batches_rows_of_runs_within_their_bound(real_model, method, monkeypatch):
+    """``--option METHOD.heads=adaptive``: every request of the method keeps counts per KV head. Rows
+    of different lengths join one lane (each run padded to its widest row) only when the lane's bound
+    (``joined_widths``), which the bytes it holds never pass, fits the cap; each answers as alone."""
+    model, tokenizer = real_model
+    prompts = [essay(tokenizer, n, skip=60 * i) for i, n in enumerate([120, 60, 200, 90])]
+    options = {method: {"heads": "adaptive"}}
+    expected = [generate(model, tokenizer, prompt, method, 0.3, max_new_tokens=6, min_tokens=0, heads="adaptive",
+                         evict_every=4).new_tokens[0] for prompt in prompts]
+    held_and_bound = []
+    bound = Lane.bound
+
+    def checked(lane, newcomer=None, job=None):
+        value = bound(lane, newcomer, job)
+        if newcomer is None and lane.batch.sequences:
+            held_and_bound.append((lane.batch.cache.nbytes, value, len(lane.jobs)))
+        return value
+
+    monkeypatch.setattr(Lane, "bound", checked)
+
+    async def load(url):
+        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300) as api:
+            return await asyncio.gather(*(api.completions.create(
+                model="smollm2", prompt=prompt, max_tokens=6, temperature=0, extra_body={"kv_method": method})
+                for prompt in prompts))
+
+    with serving(model, tokenizer, kv_memory=parse_bytes("64MB"), budget="0.3", min_tokens=0, evict_every=4,
+                 method_options=options) as (url, engine):
+        replies = asyncio.run(load(url))
+        metrics = scrape(url)
+    assert [reply.choices[0].text for reply in replies] == [tokenizer.decode(tokens, skip_special_tokens=True)
+                                                             for tokens in expected]
+    assert max(rows for _, _, rows in held_and_bound) >= 2  # rows of runs shared a lane
+    assert all(held <= limit < 1.5 * held for held, limit, _ in held_and_bound)  # sound, and near what is held
+    assert metrics[f'd2o_requests_running_peak{{budget="0.3",method="{method}"}}'] >= 2
+
+
 def test_a_full_queue_answers_503_with_retry_after(real_model):
     model, tokenizer = real_model
     one = plan(model.config, get_method("full"), Budget.parse(1.0), 20, 200).peak_bytes
@@ -702,6 +740,8 @@ def test_memory_sizes():
     (["--port", "99999"], "port 99999 must be in 1..65535"),
     (["--port", "0"], "port 0 must be in 1..65535"),
     (["--host", ""], "--host is empty"),
+    (["--option", "kvzip.heads=uneven"], "heads='uneven' must be one of even, adaptive"),
+    (["--option", "heads=adaptive"], "expected METHOD.NAME=VALUE"),
 ])
 def test_bad_serve_options_are_one_line_and_exit_code_2(monkeypatch, capsys, args, message):
     monkeypatch.setattr("sys.argv", ["d2o", "serve", *args])

@@ -18,7 +18,8 @@ import typer
 from d2o.bench import FIT_MAX_BATCH, SERVE_WORKLOADS, check_fit_generate
 from d2o.budget import EVICT_EVERY, Budget, parse_budgets
 from d2o.errors import D2OError
-from d2o.options import HEADS, check_kv_bits, distinct, option_texts, parse_bytes, parse_options, split_list
+from d2o.options import (HEADS, check_kv_bits, distinct, option_texts, parse_bytes, parse_method_options, parse_options,
+                         split_list)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Long-context inference under a KV-cache budget.")
 bench_app = typer.Typer(no_args_is_help=True, help="Speed and memory, measured side by side in one run.")
@@ -234,6 +235,8 @@ def serve(
     evict_every: int = typer.Option(EVICT_EVERY, help=EVICT_HELP),
     kv_bits: Optional[str] = typer.Option(None, help=KV_BITS_HELP),
     prefill_chunk: Optional[int] = typer.Option(None, help=CHUNK_HELP + " Admission counts that peak."),
+    option: list[str] = typer.Option([], "--option", help="A method option METHOD.NAME=VALUE (repeatable), for "
+                                     "every request of that method (kvzip.heads=adaptive)."),
 ):
     """An OpenAI-compatible server: continuous batching, admission by KV memory (see docs/guides/serving.md)."""
     from d2o.serve.config import ServeConfig
@@ -242,7 +245,8 @@ def serve(
                          kv_memory=parse_bytes(kv_memory), max_queue=max_queue, max_tokens=max_tokens, dtype=dtype,
                          attention=attention, device_map=device_map,
                          prefix_cache_memory=memory_or_none(prefix_cache_memory), evict_every=evict_every,
-                         kv_bits=check_kv_bits(kv_bits), prefill_chunk=prefill_chunk)
+                         kv_bits=check_kv_bits(kv_bits), prefill_chunk=prefill_chunk,
+                         method_options=parse_method_options(option))
     if replicas < 0:
         raise D2OError(f"replicas must be >= 0, got {replicas}")
     config.check()  # before the model loads
@@ -325,19 +329,13 @@ def evaluate(
     """Evaluate methods x budgets on a task; writes samples.jsonl, summary.csv/.md and plots to OUT."""
     from d2o.eval.sweep import EvalConfig, check_config, run_eval
 
-    per_method: dict[str, list[str]] = {}
-    for pair in option:
-        target, dot, rest = pair.partition(".")
-        if not dot:
-            raise D2OError(f"--option {pair!r}: expected METHOD.NAME=VALUE")
-        per_method.setdefault(target, []).append(rest)
-    method_options = {target: parse_options(pairs, prefix=f"{target}.") for target, pairs in per_method.items()}
     config = EvalConfig(
         task=task, model=model, methods=split_list(methods), budgets=split_list(budgets), limit=limit, seed=seed,
         out=str(out), shared_prefill=not separate_prefill, dtype=dtype, attention=attention, min_tokens=min_tokens,
         protocol=protocol, evict_every=evict_every, kv_bits=check_kv_bits(kv_bits), prefill_chunk=prefill_chunk,
         question_aware=not question_blind, ray=ray, workers=workers,
-        task_options=option_texts(task_option, "--task-option"), method_options=method_options,  # typed by the task
+        task_options=option_texts(task_option, "--task-option"),  # typed by the task
+        method_options=parse_method_options(option),
     )
     check_config(config)  # before torch loads
     quiet()

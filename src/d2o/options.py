@@ -32,6 +32,17 @@ def parse_options(pairs: list[str], flag: str = "--option", prefix: str = "") ->
     return {name: parse_value(text) for name, text in option_texts(pairs, flag, prefix).items()}
 
 
+def parse_method_options(pairs: list[str]) -> dict[str, dict]:
+    """``["kvzip.heads=adaptive"]`` -> ``{"kvzip": {"heads": "adaptive"}}`` (``--option METHOD.NAME=VALUE``)."""
+    per_method: dict[str, list[str]] = {}
+    for pair in pairs:
+        target, dot, rest = pair.partition(".")
+        if not dot:
+            raise D2OError(f"--option {pair!r}: expected METHOD.NAME=VALUE")
+        per_method.setdefault(target, []).append(rest)
+    return {target: parse_options(rest, prefix=f"{target}.") for target, rest in per_method.items()}
+
+
 def parse_value(text: str):
     """A tuple for ``a:b`` or ``a,b``; then bool, None, int, float; else the text itself."""
     if ":" in text or "," in text:

@@ -32,6 +32,7 @@ import torch
 from d2o.budget import UNLIMITED, Budget
 from d2o.engine.model_facts import compressible_layers, head_dim, sliding_windows
 from d2o.engine.quantization import KVQuantization
+from d2o.engine.ragged import RaggedLayer
 from d2o.engine.shared import SharedPrefixLayer
 from d2o.engine.storage import TOKEN_INDEX_DTYPE
 from d2o.methods.base import Method
@@ -170,6 +171,24 @@ def slot_widths(cache) -> list[int]:
     return [layer.token_index.shape[2] if layer.is_initialized else 0 for layer in cache.layers]
 
 
+def joined_widths(caches: list, new_tokens: int) -> list[int]:
+    """Slots per row of each layer once the rows of ``caches`` share one batch: the widest cache's
+    now. A layer of runs (``engine.ragged``) pads each KV head's run to its widest row, and every run
+    grows as its rows do: counted in slots of every KV head (its pairs over its KV heads, rounded
+    up), grown by the most any row's layer grows (``peak_slots``) while fed up to ``new_tokens``
+    more tokens."""
+    peaks = [peak_slots(cache, new_tokens) for cache in caches]  # (B, L) each
+    widths = []
+    for i, layers in enumerate(zip(*(cache.layers for cache in caches))):
+        if isinstance(layers[0], RaggedLayer):
+            runs = [max(heads) for heads in zip(*([stop - start for start, stop in layer.runs] for layer in layers))]
+            grown = max(int((peak[:, i] - layer.n_kept.cpu()).max()) for peak, layer in zip(peaks, layers))
+            widths.append(-(-sum(runs) // len(runs)) + grown)
+        else:
+            widths.append(max(layer.token_index.shape[2] if layer.is_initialized else 0 for layer in layers))
+    return widths
+
+
 def shared_prefix(cache) -> tuple[int, int] | None:
     """What the rows of ``cache`` read in place (``engine.shared``): the identity of the source cache's
     first shared keys (equal for every cache reading them, and ``prefix_identity`` of that cache)
@@ -183,7 +202,9 @@ def shared_prefix(cache) -> tuple[int, int] | None:
 def prefix_identity(cache) -> int | None:
     """``shared_prefix``'s identity of the caches reading ``cache`` (one row, plain layers) in place."""
     layer = next((layer for layer in cache.layers if layer.is_initialized), None)
-    return None if layer is None else id(layer.keys)
+    if layer is None:
+        return None
+    return id(layer.keys) if SharedPrefixLayer.can_share(layer) else id(layer)  # read in place, or copied by each
 
 
 def shareable(cache) -> bool:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from d2o.budget import EVICT_EVERY, Budget
 from d2o.errors import D2OError
@@ -31,6 +31,8 @@ class ServeConfig:
     # Requests on a kept document read its keys and values in place (False: each copies them, as a
     # server sharing only uncompressed prefixes would; ``d2o bench serve --prefix-sharing`` compares).
     share_prefixes: bool = True
+    # Options of a method, for every request of it: {"kvzip": {"heads": "adaptive"}} (--option kvzip.heads=adaptive).
+    method_options: dict = field(default_factory=dict)
 
     def check(self):
         """Refuse bad options before anything heavy loads (the method and budget too); returns the
@@ -48,6 +50,9 @@ class ServeConfig:
             raise D2OError(f"--prefix-cache-memory ({self.prefix_cache_memory:,} bytes) is part of --kv-memory "
                            f"({self.kv_memory:,}): it must be >= 0 and leave room for the requests")
 
-        from d2o.runtime.generation import resolve  # torch loads here, the model not yet
+        from d2o.methods import get_method  # torch loads here, the model not yet
+        from d2o.runtime.generation import resolve
 
-        return resolve(self.method, budget)
+        for name, options in self.method_options.items():
+            get_method(name, **options)  # a bad option fails now, not at a request
+        return resolve(self.method, budget, **self.method_options.get(self.method, {}))

@@ -151,7 +151,8 @@ class Engine:
 
     def _resolve(self, request: Generation):
         try:
-            method = get_method(request.kv_method or self.config.method)
+            name = request.kv_method or self.config.method
+            method = get_method(name, **self.config.method_options.get(name, {}))
         except D2OError as error:
             raise APIError(400, str(error), "kv_method") from None
         try:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from d2o.runtime.decoding import Batch, Sequence
-from d2o.runtime.memory import padded_bytes, prefix_widths, slot_widths
+from d2o.runtime.memory import joined_widths, padded_bytes, prefix_widths
 
 
 @dataclass
@@ -87,12 +87,13 @@ class Lane:
 
     def bound(self, newcomer: Batch | None = None, job: Job | None = None) -> int:
         """The most bytes this lane can hold (with ``newcomer``'s row joined, if given)."""
-        widths, jobs = slot_widths(self.batch.cache), self.rows()
+        jobs, caches = self.rows(), [self.batch.cache]
         if newcomer is not None:
-            widths = [max(a, b) for a, b in zip(widths, slot_widths(newcomer.cache))]
             jobs.append(job)
+            caches.append(newcomer.cache)
         if not jobs:
             return 0
+        widths = joined_widths(caches, max(j.sequence.max_new_tokens - len(j.sequence.tokens) for j in jobs))
         return padded_bytes(widths, torch.stack([j.peaks for j in jobs]), self.per_slot, self.per_row,
                             prefix_widths(self.batch.cache), self.per_vector, torch.stack([j.own for j in jobs]))
 
