@@ -244,13 +244,18 @@ class Schedule:
         of steps (a decode step's evicted slots are emptied where they are)."""
         excess = kept - target
         most, fewest = excess.amax(-1).tolist(), excess.amin(-1).tolist()
-        merging = []
+        merging, opened = [], []
         for layer, row_target, row_excess, n_most, n_fewest in zip(layers, target.unbind(), excess.unbind(), most,
                                                                      fewest):
             if n_most <= 0:
                 continue
             # Evicted slots are emptied where they are only after a pass of one token (a decode step).
             in_step = in_place and layer.owns_storage and layer.written is not None
+            if isinstance(layer, RaggedLayer) and self.chunks is None and self.allocated:
+                # Decoding: every KV head evicts the row's excess, as in the even layout; the layer is
+                # evicted from opened, and closed once what left it is merged.
+                opened.append((layer, layer.opened()))
+                layer, in_step = opened[-1][1], True
             evicted = self._shrink(layer, row_target, row_excess, n_most, n_fewest, chooser, in_step)
             if evicted is None:
                 continue
@@ -264,6 +269,8 @@ class Schedule:
             results = chooser.merge.merge([layer.view for layer in merged_layers], list(evicted))
             for layer, merged in zip(merged_layers, results):
                 layer.apply_merged(merged)
+        for runs, layer in opened:
+            runs.close(layer)
 
     def _shrink(self, layer, target: torch.Tensor, excess: torch.Tensor, most: int, fewest: int, chooser,
                 in_place: bool = False) -> Evicted | None:
@@ -276,8 +283,8 @@ class Schedule:
         if scores.dtype != torch.float32:
             scores = scores.float()
         merge, policy = chooser.merge, self.cache.policy
-        # Counts per KV head: the layer is gathered into runs, however few leave.
-        per_head = chooser is policy and policy.per_head_budgets
+        # Counts per KV head (after a prompt or a chunk): the layer is gathered into runs, however few leave.
+        per_head = chooser is policy and policy.per_head_budgets and not in_place
         evicted = None
         if most == 1 and layer.owns_storage and not per_head:
             victim = select_victim(scores, protected, layer.token_index)
@@ -291,11 +298,9 @@ class Schedule:
             layer.drop(slots, valid)
         else:  # a longer input was appended: the kept slots are gathered, k empty ones after them
             counts = held = None
-            if per_head:  # shared among the heads after a prompt or a chunk; while decoding, every head
-                # of a row evicts the row's excess, so that each keeps the count it was given
+            if per_head:  # shared among the heads anew
                 held = layer.head_counts()
-                counts = policy.head_targets(layer.view, scores, protected, target) \
-                    if runs is None or self.chunks is not None else held - excess[:, None]
+                counts = policy.head_targets(layer.view, scores, protected, target)
             keep, keep_valid = select_kept(scores, protected, layer.token_index, target if counts is None else counts)
             if merge is not None:
                 gone = excess if counts is None else held - counts
