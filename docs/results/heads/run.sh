@@ -60,6 +60,9 @@ for method in kvzip d2o-novelty; do
 done
 $D2O eval --task ruler --task-option length=1024 --limit 5 --seed 0 --protocol context --methods kvzip \
   --option kvzip.heads=adaptive --budgets 0.1,0.25,0.5 --min-tokens 0 --out "$OUT/kvzip-min-tokens0/ruler-smollm2-1k-context"
+# kvzip (adaptive) at kvpress's count on the short NIAH prompts: 128 tokens in every layer.
+$D2O eval --task niah --task-option lengths=500,1000 --task-option depths=0,0.25,0.5,0.75,1 --limit 1 --seed 0 \
+  --methods kvzip --option kvzip.heads=adaptive --budgets 128t --protocol context --out "$OUT/kvzip-128t/niah-context"
 # The same kvzip (adaptive, no floor) with keys and values at 4 bits: runs of packed vectors.
 K="--methods kvzip --budgets 0.1,0.2 --min-tokens 0 --protocol context --option kvzip.heads=adaptive --kv-bits 4"
 $D2O eval --task passkey --task-option length=1500 --limit 20 --seed 0 $K --out "$OUT/kvzip-min-tokens0-4bit/passkey-context"
