@@ -608,8 +608,8 @@ def test_a_server_storing_keys_at_4_bits_answers_as_generate_does_and_admits_by_
     assert metrics['d2o_kv_fit_requests{budget="0.2",method="d2o"}'] == fit(parse_bytes("64MB"), quantized)
 
 
-@pytest.mark.parametrize("method", ["kvzip", "d2o-novelty"])
-def test_a_server_with_adaptive_heads_batches_rows_of_runs_within_their_bound(real_model, method, monkeypatch):
+@pytest.mark.parametrize("method, kv_bits", [("kvzip", None), ("d2o-novelty", None), ("kvzip", 4)])
+def test_a_server_with_adaptive_heads_batches_rows_of_runs_within_their_bound(real_model, method, kv_bits, monkeypatch):
     """``--option METHOD.heads=adaptive``: every request of the method keeps counts per KV head. Rows
     of different lengths join one lane (each run padded to its widest row) only when the lane's bound
     (``joined_widths``), which the bytes it holds never pass, fits the cap; each answers as alone."""
@@ -617,7 +617,7 @@ def test_a_server_with_adaptive_heads_batches_rows_of_runs_within_their_bound(re
     prompts = [essay(tokenizer, n, skip=60 * i) for i, n in enumerate([120, 60, 200, 90])]
     options = {method: {"heads": "adaptive"}}
     expected = [generate(model, tokenizer, prompt, method, 0.3, max_new_tokens=6, min_tokens=0, heads="adaptive",
-                         evict_every=4).new_tokens[0] for prompt in prompts]
+                         evict_every=4, kv_bits=kv_bits).new_tokens[0] for prompt in prompts]
     held_and_bound = []
     bound = Lane.bound
 
@@ -636,7 +636,7 @@ def test_a_server_with_adaptive_heads_batches_rows_of_runs_within_their_bound(re
                 for prompt in prompts))
 
     with serving(model, tokenizer, kv_memory=parse_bytes("64MB"), budget="0.3", min_tokens=0, evict_every=4,
-                 method_options=options) as (url, engine):
+                 kv_bits=kv_bits, method_options=options) as (url, engine):
         replies = asyncio.run(load(url))
         metrics = scrape(url)
     assert [reply.choices[0].text for reply in replies] == [tokenizer.decode(tokens, skip_special_tokens=True)
