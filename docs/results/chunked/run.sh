@@ -9,7 +9,7 @@ D2O=${D2O:-.venv/bin/d2o}
 OUT=${OUT:-docs/results/chunked}
 P="--model gemma3-270m --seed 0 --task passkey --task-option length=8192 --limit 5"
 N="--model gemma3-270m --seed 0 --task niah --task-option lengths=8192 --task-option depths=0,0.25,0.5,0.75,1 --limit 1"
-B="--budgets 0.1,0.2"
+B="--budgets 0.1,0.2,0.25"
 C="--prefill-chunk 1024"
 # The README's methods: d2o-plus-words with the question in the prompt (shown after every chunk), d2o-novelty.
 $D2O eval $P $B --methods full,d2o-plus-words,d2o-novelty --out "$OUT/passkey-8192-whole"
