@@ -773,6 +773,16 @@ def test_bench_serve_mixed_times_the_short_streams_gaps_beside_servers_prefillin
     assert all(0 < row["itl_p50_ms"] <= row["itl_p99_ms"] for row in rows)
 
 
+def test_bench_serve_runs_each_method_with_even_and_adaptive_heads(real_model):
+    from d2o.bench.serve import bench_serve
+
+    model, tokenizer = real_model
+    rows = bench_serve(model, tokenizer, [("full", "1"), ("kvzip", "0.3")], parse_bytes("64MB"), clients=2,
+                       requests=2, prompt_tokens=200, max_tokens=4, heads=("even", "adaptive"))
+    assert [(row["method"], row["heads"], row["answered"]) for row in rows] == [
+        ("full", "-", 2), ("kvzip", "even", 2), ("kvzip", "adaptive", 2)]
+
+
 def test_metrics_parse_as_prometheus_text_with_a_histogram_per_request_timing(real_model):
     from prometheus_client.parser import text_string_to_metric_families
 

@@ -676,6 +676,8 @@ def bench_serve(
                                       "e.g. 0,512."),
     prefix_sharing: str = typer.Option("in-place", help="With a prefix cache: requests read a kept document "
                                        "in-place, or each holds a copy (copied); in-place,copied runs both."),
+    heads: str = typer.Option("even", help="Comma-separated: even, adaptive (each KV head its own count: the methods "
+                              "that take it, served with --option METHOD.heads=adaptive)."),
     out: Optional[Path] = typer.Option(None, help="Write the rows as JSON to this file."),
 ):
     """Requests/s, tokens/s, latency and time to first token of a server per method, same KV memory."""
@@ -699,6 +701,8 @@ def bench_serve(
         raise D2OError(f"a --prefix-cache size is part of --kv-memory ({cap:,} bytes) and must be smaller")
     if not names:
         raise D2OError("no methods given")
+    ways = distinct(tuple(split_list(heads)), "heads values")
+    check_heads(ways)
     if out is not None:
         check_out(out, folder=False)
 
@@ -722,7 +726,7 @@ def bench_serve(
                            f"under {name}{f' in chunks of {chunk}' if chunk else ''} (it needs {need:,} bytes)")
     rows = run(net, tokenizer, [(name, budget) for name in names], cap, clients, requests, prompt_tokens, max_tokens,
                min_tokens, workload, documents, questions, prefix_sizes, evict_every, chunks,
-               tuple(value == "in-place" for value in sharing))
+               tuple(value == "in-place" for value in sharing), ways)
     print(markdown(rows))
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
