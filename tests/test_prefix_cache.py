@@ -13,6 +13,7 @@ from d2o.options import parse_bytes
 from d2o.runtime.context import compress, conversation_ids
 from d2o.runtime.generation import generate
 from d2o.runtime.memory import shared_plan, slot_bytes
+from d2o.runtime.prompts import encode
 from d2o.serve.config import ServeConfig
 
 pytestmark = pytest.mark.real_model
@@ -68,6 +69,29 @@ def test_kept_prefixes_are_evicted_least_recently_used_within_their_memory(real_
         assert values["d2o_prefix_cache_entries"] == 2 and values["d2o_prefix_cache_evictions_total"] == 1
         assert ask(url, documents[0] + [question]).usage.prompt_tokens_details.cached_tokens > 0
         assert ask(url, documents[1] + [question]).usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_a_request_that_fits_only_without_the_kept_prefixes_evicts_them_rather_than_waiting_forever(real_model):
+    """Nothing running, nothing admitted: the kept documents are all that stands between the queue's
+    head and the cap, and nothing else would ever free memory; they are evicted for it."""
+    model, tokenizer = real_model
+    document = [{"role": "system", "content": essay(tokenizer, 300)}, {"role": "user", "content": "Summarise."}]
+    kept = compress(model, tokenizer, document[:1], "d2o-novelty", 0.2, chat=True).nbytes
+    prompt = essay(tokenizer, 600, skip=2000)
+    method, budget = d2o.get_method("d2o-novelty"), d2o.Budget.parse(0.2)
+    with serving(model, tokenizer, kv_memory=parse_bytes("256MB")) as (_, engine):
+        ids = encode(tokenizer, [prompt], False)[0]
+        alone = engine._plan(method, budget, len(ids), 4).peak_bytes
+    cap = alone + kept // 2  # the long prompt fits alone, not beside the kept document
+    with serving(model, tokenizer, kv_memory=cap, prefix_cache_memory=2 * kept) as (url, _):
+        ask(url, document)
+        assert scrape(url)["d2o_prefix_cache_entries"] == 1
+        reply = client(url).completions.create(model="smollm2", prompt=prompt, max_tokens=4, temperature=0,
+                                               extra_body={"kv_method": "d2o-novelty", "kv_budget": 0.2})
+        values = scrape(url)
+    assert reply.usage.completion_tokens == 4
+    assert values["d2o_prefix_cache_entries"] == 0 and values["d2o_prefix_cache_evictions_total"] == 1
+    assert values["d2o_kv_bytes_peak"] <= cap
 
 
 def test_without_a_prefix_cache_nothing_is_kept_and_short_turns_are_never_kept(real_model):

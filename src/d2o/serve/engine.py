@@ -19,7 +19,8 @@ planned as its own tokens beside them (``shared_plan``) and holds that context f
 compressed document counts once, whether kept, read by lanes or counted on by admitted requests
 (``_prefix_bytes``). Requests that do not fit wait in a bounded
 queue, first come first served (none overtakes the head, so a large request is not starved);
-beyond the queue, HTTP 503. A request that could not fit even alone is refused at once.
+beyond the queue, HTTP 503. A head that fits only without the kept documents, with nothing admitted
+or running, has them evicted (least recently used first), since nothing else would free memory. A request that could not fit even alone is refused at once.
 """
 
 from __future__ import annotations
@@ -248,9 +249,15 @@ class Engine:
         for job in self._admitted:  # those admitted before their document was kept
             self._pin(job)
         while self._waiting:
-            self._pin(self._waiting[0])
-            if self._reserved([*self._admitted, self._waiting[0]]) > self.cap:
-                break
+            head = self._waiting[0]
+            self._pin(head)
+            if self._reserved([*self._admitted, head]) > self.cap:
+                # With nothing admitted or running, only the kept documents hold memory, and nothing
+                # else will free any: the least recently used go (not the one the head reads).
+                idle = not (self._admitted or self._lanes) and self.prefixes is not None
+                if not (idle and self.prefixes.evict_oldest(head.prefix)):
+                    break
+                continue
             self._admit(self._waiting.popleft())
 
     # -- the engine's thread ------------------------------------------------------------------------

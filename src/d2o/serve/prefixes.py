@@ -52,6 +52,15 @@ class PrefixCache:
                 return found
         return None
 
+    def evict_oldest(self, keep: CompressedContext | None = None) -> bool:
+        """Evict the least recently used entry that is not ``keep``; False if there is none."""
+        for key, context in self._entries.items():
+            if context is not keep:
+                del self._entries[key]
+                self.evictions += 1
+                return True
+        return False
+
     def add(self, key: tuple, context: CompressedContext, room: int) -> bool:
         """Keep ``context`` if it fits, evicting the least recently used entries (never more than
         ``room`` bytes may be taken beyond what they free: the server's cap). False if it is not kept."""
