@@ -32,7 +32,7 @@ class ServeConfig:
     # server sharing only uncompressed prefixes would; ``d2o bench serve --prefix-sharing`` compares).
     share_prefixes: bool = True
     # Options of a method, for every request of it: {"kvzip": {"heads": "adaptive"}} (--option kvzip.heads=adaptive).
-    method_options: dict = field(default_factory=dict)
+    method_options: dict = field(default_factory=dict, hash=False)
 
     def check(self):
         """Refuse bad options before anything heavy loads (the method and budget too); returns the
