@@ -158,7 +158,7 @@ def test_eight_concurrent_questions_on_a_kept_document_hold_it_once(real_model):
 
 
 @pytest.mark.parametrize("share_prefixes, kv_bits, heads", [(False, None, "even"), (True, 4, "even"),
-                                                            (True, None, "adaptive"), (True, 4, "adaptive")])
+                                                            (True, 4, "adaptive")])
 def test_a_server_copying_kept_documents_answers_alike(real_model, share_prefixes, kv_bits, heads):
     """Each request copies the kept document when told to (``share_prefixes=False``, ``bench serve
     --prefix-sharing copied``) or when its layers cannot be read in place (keys stored quantized, a

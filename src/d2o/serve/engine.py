@@ -20,7 +20,8 @@ compressed document counts once, whether kept, read by lanes or counted on by ad
 (``_prefix_bytes``). Requests that do not fit wait in a bounded
 queue, first come first served (none overtakes the head, so a large request is not starved);
 beyond the queue, HTTP 503. A head that fits only without the kept documents, with nothing admitted
-or running, has them evicted (least recently used first), since nothing else would free memory. A request that could not fit even alone is refused at once.
+or running, has them evicted (least recently used first), since nothing else would free memory. A
+request that could not fit even alone is refused at once.
 """
 
 from __future__ import annotations
