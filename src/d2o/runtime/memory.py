@@ -177,7 +177,8 @@ def joined_widths(caches: list, new_tokens: int) -> list[int]:
     grows as its rows do: counted in slots of every KV head (its pairs over its KV heads, rounded
     up), grown by the most any row's layer grows (``peak_slots``) while fed up to ``new_tokens``
     more tokens."""
-    peaks = [peak_slots(cache, new_tokens) for cache in caches]  # (B, L) each
+    ragged = any(isinstance(layer, RaggedLayer) for layer in caches[0].layers)
+    peaks = [peak_slots(cache, new_tokens) for cache in caches] if ragged else []  # (B, L) each: runs only
     widths = []
     for i, layers in enumerate(zip(*(cache.layers for cache in caches))):
         if isinstance(layers[0], RaggedLayer):
