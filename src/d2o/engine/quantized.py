@@ -16,6 +16,7 @@ import torch
 
 from d2o.engine.api import Merged
 from d2o.engine.quantization import KVQuantization
+from d2o.engine.selection import take_flat
 from d2o.engine.slots import flat
 from d2o.engine.storage import CompressedLayer
 from d2o.errors import D2OError
@@ -173,8 +174,13 @@ class QuantizedLayer(CompressedLayer):
             self.ring_vectors = opened.gather(2, self.ring_slots.clamp_min(0)[..., None, None].expand(
                 self.ring_vectors.shape))
 
-    def _take_vectors(self, take, vectors: tuple[str, ...], slots: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _take_vectors(self, slots: torch.Tensor, vectors: tuple[str, ...]) -> dict[str, torch.Tensor]:
         self._encode_newest()
+        index = self.slots.flat(slots)
+
+        def take(tensor: torch.Tensor) -> torch.Tensor:
+            return take_flat(tensor, index, slots.shape)
+
         both = take(self._open) if self._open is not None else \
             self.quantization.decode({part: take(tensor) for part, tensor in self.slots.vectors.items()}).to(self.dtype)
         return {name: both[:, :, :, VECTORS.index(name)] for name in vectors}

@@ -126,7 +126,7 @@ class SharedPrefixLayer(CompressedLayer):
         self.slots.vectors["values"].scatter_(2, value_slots, value_states)
         self._open = None
 
-    def _take_vectors(self, take, vectors: tuple[str, ...], slots: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _take_vectors(self, slots: torch.Tensor, vectors: tuple[str, ...]) -> dict[str, torch.Tensor]:
         return {name: self.vectors_at(name, slots) for name in vectors}
 
     def vector_parts(self, name: str) -> tuple[torch.Tensor, ...]:

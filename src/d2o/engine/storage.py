@@ -177,10 +177,10 @@ class CompressedLayer(CacheLayerMixin):
             else:
                 self.slots.vectors[name] = new
 
-    def _take_vectors(self, take, vectors: tuple[str, ...], slots: torch.Tensor) -> dict[str, torch.Tensor]:
-        """``vectors`` ("keys", "values") of the ``slots`` (B, G, K), copied by ``take`` (a function of a
-        field)."""
-        return {name: take(self.slots.vectors[name]) for name in vectors}
+    def _take_vectors(self, slots: torch.Tensor, vectors: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        """``vectors`` ("keys", "values") of the ``slots`` (B, G, K), copied."""
+        index = self.slots.flat(slots)
+        return {name: take_flat(self.slots.vectors[name], index, slots.shape) for name in vectors}
 
     def vector_parts(self, name: str) -> tuple[torch.Tensor, ...]:
         """The keys or values (``name``) as parts one after another along the slots: this layer's whole."""
@@ -311,7 +311,7 @@ class CompressedLayer(CacheLayerMixin):
         """Copies of what the slots (B, G, E) hold (``valid`` (B, E)): the slot ``states`` (None: all)
         and ``vectors`` a merge reads."""
         index = self.slots.flat(slots)
-        taken = self._take_vectors(lambda tensor: take_flat(tensor, index, slots.shape), vectors, slots)
+        taken = self._take_vectors(slots, vectors)
         return Evicted(keys=taken.get("keys"), values=taken.get("values"), valid=valid,
                        **self.slots.copies(index, slots.shape, states))
 
