@@ -16,7 +16,9 @@ each pass and each compression the layer is opened, its runs padded side by side
 ``CompressedLayer`` (``opened``) that attends, is observed, evicts and merges as any (after a
 prefill, each KV head evicting as many as the row's excess, so that its count holds; between chunks,
 the layer shared among its heads anew), and closed again into runs (``close``): the padding lives
-for one layer's pass or compression at a time. Probe passes are taken out again (``snapshot``,
+for one layer's pass or compression at a time. A decode step's evictions open every layer at once
+(their merges go in one call) and let the runs go meanwhile (``opened_instead``): for that while
+the layers are held padded, not twice. Probe passes are taken out again (``snapshot``,
 ``restore``) as from any layer.
 Rows, copies and saving work on the one table as in ``CompressedLayer``; joining rows pads each run
 on its own.
@@ -110,6 +112,13 @@ class RaggedLayer(CompressedLayer):
         opened.owns_storage, opened.vacancies, opened.written, opened.pending = True, None, None, 0
         opened._open = None  # (a quantized layer's decoded copy)
         opened.view = LayerView(opened, self.view.cache)
+        return opened
+
+    def opened_instead(self) -> CompressedLayer:
+        """``opened``, this layer's runs let go until ``close`` takes it back (nothing reads the runs
+        meanwhile): the layer held once, padded, while every layer of a step is opened."""
+        opened = self.opened()
+        self.slots = None
         return opened
 
     def close(self, opened: CompressedLayer) -> None:
