@@ -30,7 +30,7 @@ from d2o.engine.cache import CompressedCache
 from d2o.errors import D2OError
 from d2o.methods import get_method
 from d2o.runtime.decoding import Batch, Sequence, seconds_since
-from d2o.runtime.memory import padded_bytes, peak_slots, plan, row_bytes, slot_bytes, slot_widths
+from d2o.runtime.memory import joined_widths, padded_bytes, peak_slots, plan, row_bytes, slot_bytes
 from d2o.runtime.prompts import check_length
 
 FULL = "full"
@@ -85,9 +85,7 @@ def _run_packed(model, method, budget, need, cap: int, max_batch: int, per_slot:
         start = perf_counter()
         one, whole = _prefill_measured(model, cache, prompt_of(decoding.size if decoding else 0), generate)
         seconds = seconds_since(start, cache.layers[0].device)  # its compression included
-        widths = slot_widths(cache)
-        if decoding:
-            widths = [max(mine, theirs) for mine, theirs in zip(widths, slot_widths(decoding.cache))]
+        widths = joined_widths([cache, decoding.cache] if decoding else [cache], generate)
         joined = peak_slots(cache, generate) if peaks is None else torch.cat([peaks, peak_slots(cache, generate)])
         bound = padded_bytes(widths, joined, per_slot, per_row)
         if bound > cap:  # with this row the batch would outgrow the cap while it decodes: left out

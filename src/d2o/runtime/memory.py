@@ -168,7 +168,11 @@ def peak_slots(cache, new_tokens: int) -> torch.Tensor:
 
 def slot_widths(cache) -> list[int]:
     """Slots per row of each layer's tensors now (0 before the first token)."""
-    return [layer.token_index.shape[2] if layer.is_initialized else 0 for layer in cache.layers]
+    return [_width(layer) for layer in cache.layers]
+
+
+def _width(layer) -> int:
+    return layer.token_index.shape[2] if layer.is_initialized else 0
 
 
 def joined_widths(caches: list, new_tokens: int) -> list[int]:
@@ -186,7 +190,7 @@ def joined_widths(caches: list, new_tokens: int) -> list[int]:
             grown = max(int((peak[:, i] - layer.n_kept.cpu()).max()) for peak, layer in zip(peaks, layers))
             widths.append(-(-sum(runs) // len(runs)) + grown)
         else:
-            widths.append(max(layer.token_index.shape[2] if layer.is_initialized else 0 for layer in layers))
+            widths.append(max(map(_width, layers)))
     return widths
 
 
