@@ -16,6 +16,7 @@ from d2o.errors import D2OError
 from d2o.methods.allocation import head_counts
 from d2o.runtime.context import compress, load_context
 from d2o.runtime.decoding import Batch, Sequence
+from d2o.runtime.memory import plan
 
 ONCE = ["snapkv", "pyramidkv", "kvzip", "expected-attention"]  # the methods that compress once and merge nothing
 EVICTING = ["d2o-novelty", "h2o"]  # methods that evict at every decode step (d2o-novelty merges too)
@@ -347,10 +348,23 @@ def test_quantized_runs_hold_their_counts_and_a_saved_context_answers_the_same(t
     assert [context.ask(question, max_new_tokens=6).text for question in questions] == answers
 
 
-def test_a_batch_of_adaptive_rows_under_a_memory_cap_is_refused():
-    """Its runs pad to their widest rows, which no plan bounds; one row is planned as ever."""
-    model = tiny_model("llama")
-    policy = d2o.get_method("snapkv", heads="adaptive")
-    with pytest.raises(D2OError, match="give one prompt at a time"):
-        d2o.generate(model, byte_tokenizer(), ["a" * 80, "b" * 90], policy, 0.3, max_new_tokens=2, kv_memory=10**9)
-    assert d2o.generate(model, byte_tokenizer(), "a" * 80, policy, 0.3, max_new_tokens=2, kv_memory=10**9).text
+@pytest.mark.parametrize("method", ["snapkv", "d2o-novelty"])
+def test_a_batch_of_adaptive_rows_is_planned_with_its_runs_padded_to_their_widest_rows(method):
+    """Each KV head's run is as wide as its widest row: a row of a batch of B is planned at min(B, G)
+    times its even share; the batch runs within that plan, and a cap below it refuses it first."""
+    model, tokenizer = tiny_model("llama", **EIGHT_HEADS), byte_tokenizer()
+    prompts = ["a" * 180, ("The quick brown fox jumps over the lazy dog. " * 4)[:180]]
+    policy, budget = d2o.get_method(method, heads="adaptive", head_floor=0.0), d2o.Budget.parse("0.3", min_tokens=0)
+    longest = max(len(tokenizer(prompt).input_ids) for prompt in prompts)
+    one, two, heads, many = (plan(model.config, policy, budget, longest, 4, rows=rows,
+                                  question=bool(policy.question_tokens)) for rows in (1, 2, 8, 100))
+    assert one.held_bytes < two.held_bytes < heads.held_bytes == many.held_bytes  # min(B, G): G = 8
+    even = d2o.get_method(method)
+    assert plan(model.config, even, budget, longest, 4, rows=2) == plan(model.config, even, budget, longest, 4)
+    cap = 2 * two.peak_bytes
+    with pytest.raises(D2OError, match="2 rows of .* more than the cap of"):
+        d2o.generate(model, tokenizer, prompts, policy, budget, max_new_tokens=4, kv_memory=cap - 1)
+    answer = d2o.generate(model, tokenizer, prompts, policy, budget, max_new_tokens=4, kv_memory=cap)
+    assert answer.report.kv_bytes <= 2 * two.held_bytes
+    if method == "snapkv":  # these rows' runs pad past two rows' even shares: the plan of one row each would not hold
+        assert answer.report.kv_bytes > 2 * one.held_bytes

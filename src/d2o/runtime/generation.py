@@ -61,14 +61,10 @@ def resolve(method: str | Method, budget: Budget | str | float, min_tokens: int 
 def check_memory(model, method: Method, budget: Budget, rows: list[list[int]], new_tokens: int, cap: int,
                  evict_every: int, kv_bits, prefill_chunk: int | None, question_aware: bool) -> None:
     """Refuse, saying what would fit, a batch whose planned KV bytes at their peak exceed ``cap``."""
-    if method.per_head_budgets and len(rows) > 1:
-        raise D2OError(f"{method.name} with heads=adaptive pads each KV head's run of slots to its widest row, "
-                       f"which a memory plan does not bound: under a KV memory cap, give one prompt at a time (or "
-                       f"heads=even)")
     longest = max(len(row) for row in rows)
     kv_plan = plan(model.config, method, budget, longest, new_tokens, next(model.parameters()).element_size(),
                    evict_every=evict_every, kv_bits=kv_bits, prefill_chunk=prefill_chunk,
-                   question=question_aware and bool(method.question_tokens))
+                   question=question_aware and bool(method.question_tokens), rows=len(rows))
     whole = KVPlan(len(rows) * kv_plan.prefill_bytes, len(rows) * kv_plan.held_bytes)
     over = over_cap(whole, cap, bool(prefill_chunk) and prefill_chunk < longest)
     if over is not None:

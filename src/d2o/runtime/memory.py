@@ -87,22 +87,26 @@ def row_bytes(config, dtype_bytes: int, method: Method, kv_bits=None) -> int:
 
 def plan(config, method: Method, budget: Budget, prompt_tokens: int, new_tokens: int, dtype_bytes: int = 4,
          stock: bool = False, evict_every: int = 1, kv_bits=None, prefill_chunk: int | None = None,
-         question: bool = False) -> KVPlan:
+         question: bool = False, rows: int = 1) -> KVPlan:
     """The KV bytes of one sequence of ``prompt_tokens`` + ``new_tokens`` under ``method`` at ``budget``
     (``stock``: in transformers' own cache, which holds K and V alone: the full cache only;
     ``evict_every``: the cache's, whose layers run that many slots over their budget at most;
     ``kv_bits``: the cache's, keys and values quantized; ``prefill_chunk``: the prompt prefilled that
-    many tokens at a time, ``question`` shown after each chunk)."""
+    many tokens at a time, ``question`` shown after each chunk; ``rows``: the sequences of its batch,
+    ``_run_padding``)."""
     windows = sliding_windows(config.get_text_config())
     per_slot = slot_bytes(config, dtype_bytes, method, stock, kv_bits)
     length = prompt_tokens + new_tokens
     compressible = compressible_layers(windows, budget.unlimited)
     exempt = len(method.exempt_among(len(windows), compressible))
     active = len(compressible) - exempt
-    if method.keeps_everything or budget.unlimited or not method.conserves_budget:
+    whole = method.keeps_everything or budget.unlimited or not method.conserves_budget
+    if whole:
         held = len(compressible) * length
     else:
         share = budget.total(len(compressible), prompt_tokens) - exempt * prompt_tokens  # the active layers'
+        # Runs padded to their widest rows (no run holds more than the prompt).
+        share = min(share * _run_padding(config, method, rows), max(share, active * prompt_tokens))
         if method.evicts_during_decode:
             # At its budget, or growing to the floor; plus the slots written before an eviction (one
             # per step, or evict_every), which a row that never outgrows its budget never needs.
@@ -117,7 +121,6 @@ def plan(config, method: Method, budget: Budget, prompt_tokens: int, new_tokens:
     if chunk is None:
         prefill, attending = (prompt_tokens + probe) * sum(per_slot), prompt_tokens + probe
     else:  # a layer holds its budget and a chunk (a sliding one its window and a chunk), and the probe
-        whole = method.keeps_everything or budget.unlimited or not method.conserves_budget
         held_by_globals = len(compressible) * prompt_tokens if whole else \
             min(active * prompt_tokens, share + active * chunk) + exempt * prompt_tokens
         prefill = (held_by_globals + len(compressible) * probe) * global_slot + sum(
@@ -130,6 +133,16 @@ def plan(config, method: Method, budget: Budget, prompt_tokens: int, new_tokens:
         heads, dim = _heads_and_dim(config, method)
         prefill += attending * heads * 2 * dim * dtype_bytes
     return KVPlan(prefill_bytes=prefill + extra, held_bytes=held * global_slot + sliding + extra)
+
+
+def _run_padding(config, method: Method, rows: int) -> int:
+    """How many times its even share a row of a batch of ``rows`` may hold in a compressed layer. With
+    per-KV-head counts (``heads=adaptive``, ``engine.ragged``) each KV head's run is as wide as its
+    widest row: G runs of at most a row's whole layer (G x its share) each, and no wider than all
+    the rows' pairs (``rows`` x G x a share), so a row holds at most min(rows, G) x its share."""
+    if not method.per_head_budgets:
+        return 1
+    return max(1, min(rows, _heads_and_dim(config, method)[0]))
 
 
 def over_cap(kv_plan: KVPlan, cap: int, chunked: bool) -> str | None:
