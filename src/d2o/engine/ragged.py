@@ -18,8 +18,9 @@ prefill, each KV head evicting as many as the row's excess, so that its count ho
 the layer shared among its heads anew), and closed again into runs (``close``): the padding lives
 for one layer's pass or compression at a time. A decode step's evictions open every layer at once
 (their merges go in one call) and let the runs go meanwhile (``opened_instead``): for that while
-the layers are held padded, not twice. Probe passes are taken out again (``snapshot``,
-``restore``) as from any layer.
+the layers are held padded, not twice. Such a step's passes leave their layers opened for it
+(``open_pass``, ``settle``): each layer is opened and closed once a step. Probe passes are taken
+out again (``snapshot``, ``restore``) as from any layer.
 Rows, copies and saving work on the one table as in ``CompressedLayer``; joining rows pads each run
 on its own.
 """
@@ -44,8 +45,10 @@ class RaggedLayer(CompressedLayer):
 
     bounds: list[int]
     fresh: torch.Tensor | None = None  # (B, q): the token index of each token of the last pass (-1: padding)
-    _open: CompressedLayer | None = None  # the layer opened for the pass running (``open_pass``)
+    _open: CompressedLayer | None = None  # the layer opened (``open_pass``, ``opened_instead``), its runs let go
+    _kept_open = False  # the pass's opened layer stays for the step's eviction (``open_pass``)
     opened_kind = CompressedLayer  # what ``opened`` makes
+    keeps_open = True  # whether a decode step's pass may hand its opened layer to the step's eviction
 
     attends_opened = property(lambda layer: layer.observing,
                               doc="Whether a pass runs on the layer opened (``open_pass``), not on its runs.")
@@ -83,8 +86,13 @@ class RaggedLayer(CompressedLayer):
 
     kv_heads = property(lambda layer: len(layer.bounds) - 1)
     runs = property(lambda layer: list(zip(layer.bounds, layer.bounds[1:])), doc="Each KV head's (start, stop).")
-    n_kept = property(lambda layer: (layer.slots.token_index >= 0).sum((1, 2)) // layer.kv_heads,
+    n_kept = property(lambda layer: (layer._table.token_index >= 0).sum((1, 2)) // layer.kv_heads,
                       doc="(B,) tokens held per row and KV head on average: the layer's pairs over its KV heads.")
+    _table = property(lambda layer: layer._open.slots if layer.slots is None else layer.slots,
+                      doc="What the layer holds: its runs, or while it is held opened instead, the opened layer's.")
+    nbytes = property(lambda layer: layer._open.nbytes if layer.slots is None else CompressedLayer.nbytes.fget(layer))
+    state_nbytes = property(lambda layer: layer._open.state_nbytes if layer.slots is None else
+                            CompressedLayer.state_nbytes.fget(layer))
 
     def head_counts(self) -> torch.Tensor:
         """(B, G): the tokens each KV head holds."""
@@ -115,17 +123,22 @@ class RaggedLayer(CompressedLayer):
         return opened
 
     def opened_instead(self) -> CompressedLayer:
-        """``opened``, this layer's runs let go until ``close`` takes it back (nothing reads the runs
-        meanwhile): the layer held once, padded, while every layer of a step is opened."""
-        opened = self.opened()
-        self.slots = None
-        return opened
+        """``opened``, this layer's runs let go until ``close`` takes it back (its counts and bytes read
+        from the opened layer meanwhile): the layer held once, padded, while every layer of a step is
+        opened. A decode step's pass may have left it opened already (``open_pass``)."""
+        if self._open is None:
+            self._open, self.slots = self.opened(), None
+        return self._open
+
+    def _take_fields(self, opened: CompressedLayer) -> None:
+        for name in (*self.row_fields, "state", "seen"):
+            setattr(self, name, getattr(opened, name))
 
     def close(self, opened: CompressedLayer) -> None:
         """Hold what ``opened`` (``opened()``'s, since attended, evicted from or merged into) holds, as
         runs (``_hold``), with its rows' counts and state."""
-        for name in (*self.row_fields, "state", "seen"):
-            setattr(self, name, getattr(opened, name))
+        self._take_fields(opened)
+        self._open = None
         self._hold(opened.slots)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -140,24 +153,40 @@ class RaggedLayer(CompressedLayer):
         attention of a layer that evicts while decoding reads and its method observes; ``settle``
         closes it once the attention is done."""
         keys, values = self._fed
-        opened = self.opened(extra=1 if keys.shape[-2] == 1 else 0)  # a decode step's token written into its slot
+        step = keys.shape[-2] == 1
+        opened = self.opened(extra=1 if step else 0)  # a decode step's token written into its slot
         opened.update(keys, values)
         opened.admit(new_valid)
         self.fresh = opened.fresh_index(keys.shape[-2])
         self.pending, self._fed, self._open = 0, None, opened
+        # A decode step that may end in an eviction: the step's eviction takes this opened layer as it
+        # is (closing and opening it again would give the same layout: runs keep their slots in order).
+        schedule = self.cache.schedule
+        self._kept_open = step and self.keeps_open and schedule.allocated and schedule.chunks is None and \
+            schedule.may_evict_after(1)
         return opened
 
     def settle(self) -> None:
-        if self._open is not None:
-            opened, self._open = self._open, None
-            self.close(opened)
+        """After a pass: the opened layer closed into runs, or held (its runs let go) for the step's
+        eviction (``opened_instead``); after a compression: closed."""
+        if self._open is None:
+            return
+        if self._kept_open:
+            self._kept_open = False
+            self._take_fields(self._open)
+            self.slots = None
+            return
+        self.close(self._open)
 
     def fresh_index(self, q: int) -> torch.Tensor:
         return self.fresh
 
     def record(self, name: str, values: torch.Tensor, decay: float) -> None:
         """The last pass's tokens' ``values`` (B, q) into the slot state ``name`` of every run (found
-        by their token index), the others' times ``decay``."""
+        by their token index), the others' times ``decay``; of the opened layer while it is held."""
+        if self.slots is None:
+            self._open.record(name, values, decay)
+            return
         index = self.slots.token_index[:, 0]  # (B, T)
         fresh = self.fresh[:, None, :]  # (B, 1, q)
         match = (index[:, :, None] == fresh) & (fresh >= 0)
@@ -233,6 +262,7 @@ class QuantizedRaggedLayer(RaggedLayer):
     row_fields = QuantizedLayer.row_fields
     opened_kind = QuantizedLayer
     attends_opened = True
+    keeps_open = False  # its opened layer holds its keys and values in full precision too
     nbytes = QuantizedLayer.nbytes
     nbytes_parts = QuantizedLayer.nbytes_parts
 

@@ -253,7 +253,8 @@ class Schedule:
             in_step = in_place and layer.owns_storage and layer.written is not None
             if isinstance(layer, RaggedLayer) and self.chunks is None and self.allocated:
                 # Decoding: every KV head evicts the row's excess, as in the even layout; the layer is
-                # evicted from opened (its runs let go meanwhile), and closed once what left it is merged.
+                # evicted from opened (its runs let go meanwhile; the step's pass may have left it so),
+                # and closed once what left it is merged.
                 opened.append((layer, layer.opened_instead()))
                 layer, in_step = opened[-1][1], True
             evicted = self._shrink(layer, row_target, row_excess, n_most, n_fewest, chooser, in_step)
