@@ -22,6 +22,13 @@ $D2O eval $P $B --methods d2o-plus-words $C --question-blind --out "$OUT/passkey
 # The other methods that evict, chunked at 0.1, beside their committed rows prefilled whole
 # (docs/results/gemma3-270m/passkey-8192).
 $D2O eval $P --budgets 0.1 --methods h2o,snapkv,pyramidkv,d2o $C --out "$OUT/passkey-8192-chunk1024-others"
+# Passkey at 16,384 tokens (3 keys, seed 0), at 10% and 25%, the same pairs.
+P16="--model gemma3-270m --seed 0 --task passkey --task-option length=16384 --limit 3"
+B16="--budgets 0.1,0.25"
+$D2O eval $P16 $B16 --methods full,d2o-plus-words,d2o-novelty --out "$OUT/passkey-16384-whole"
+$D2O eval $P16 $B16 --methods d2o-plus-words,d2o-novelty $C --out "$OUT/passkey-16384-chunk1024"
+$D2O eval $P16 $B16 --protocol context --methods full,d2o-novelty --out "$OUT/passkey-16384-context-whole"
+$D2O eval $P16 $B16 --protocol context --methods d2o-novelty $C --out "$OUT/passkey-16384-context-chunk1024"
 $D2O eval $N $B --methods full,d2o-plus-words,d2o-novelty --out "$OUT/niah-8192-whole"
 $D2O eval $N $B --methods d2o-plus-words,d2o-novelty $C --out "$OUT/niah-8192-chunk1024"
 $D2O eval $N $B --protocol context --methods full,d2o-novelty --out "$OUT/niah-8192-context-whole"
