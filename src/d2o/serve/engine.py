@@ -256,7 +256,7 @@ class Engine:
                 # With nothing admitted or running, only the kept documents hold memory, and nothing
                 # else will free any: the least recently used go (not the one the head reads).
                 idle = not (self._admitted or self._lanes) and self.prefixes is not None
-                if not (idle and self.prefixes.evict_oldest(head.prefix)):
+                if not idle or self.prefixes.evict_oldest(head.prefix) is None:
                     break
                 continue
             self._admit(self._waiting.popleft())

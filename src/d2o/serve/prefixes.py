@@ -52,14 +52,14 @@ class PrefixCache:
                 return found
         return None
 
-    def evict_oldest(self, keep: CompressedContext | None = None) -> bool:
-        """Evict the least recently used entry that is not ``keep``; False if there is none."""
+    def evict_oldest(self, keep: CompressedContext | None = None) -> CompressedContext | None:
+        """Evict the least recently used entry that is not ``keep``; returns it (None: there is none)."""
         for key, context in self._entries.items():
             if context is not keep:
                 del self._entries[key]
                 self.evictions += 1
-                return True
-        return False
+                return context
+        return None
 
     def add(self, key: tuple, context: CompressedContext, room: int) -> bool:
         """Keep ``context`` if it fits, evicting the least recently used entries (never more than
@@ -68,8 +68,6 @@ class PrefixCache:
         if size > min(self.capacity, room + self.nbytes):
             return False
         while self._entries and (self.nbytes + size > self.capacity or size > room):
-            _, gone = self._entries.popitem(last=False)
-            room += gone.nbytes
-            self.evictions += 1
+            room += self.evict_oldest().nbytes
         self._entries[(key, tuple(context.ids))] = context
         return True
