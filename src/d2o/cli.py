@@ -741,6 +741,8 @@ def bench_ask(
     questions: int = typer.Option(8, help="Needles in the document, each asked by a row of the batch (1-8)."),
     max_tokens: int = typer.Option(16, help="Tokens generated per answer."),
     min_tokens: Optional[int] = typer.Option(None, help=FLOOR_HELP),
+    server: bool = typer.Option(False, "--server", help="Also send the questions at once to a d2o serve on the "
+                                "kept document and read its /metrics KV gauge while they run."),
     model: str = MODEL, dtype: str = DTYPE, device: Optional[str] = DEVICE, out: Path = OUT,
 ):
     """KV bytes and decode time of many questions on one compressed document, answered as one batch:
@@ -758,9 +760,9 @@ def bench_ask(
     from d2o.bench.output import emit
 
     net, tokenizer = bench_model(model, None, 0, dtype, device, names, parsed)
-    rows = run(net, tokenizer, list(names), parsed, length, questions, max_tokens)
+    rows = run(net, tokenizer, list(names), parsed, length, questions, max_tokens, server)
     setting = dict(model=model, dtype=dtype, budget=str(parsed), length=length, questions=questions,
-                   max_tokens=max_tokens)
+                   max_tokens=max_tokens, server=server)
     emit(rows, f"{questions} questions on one compressed document of {length} tokens: {model}, budget "
          f"{parsed.described}", "ask", out, setting)
 

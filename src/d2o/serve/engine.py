@@ -309,7 +309,10 @@ class Engine:
         except Exception as error:  # noqa: BLE001 - the server keeps serving the others
             job.prefilling = None
             return self._settle(job, APIError(500, f"prefill failed: {error}", kind="server_error"), "failed")
-        self._record_kv(extra=job.plan.prefill_bytes)
+        # Held now: the job's cache beside the lanes (its prefix counted once); its prefill held at
+        # most its plan's prefill bytes, which the peak counts.
+        self._record_kv(extra=batch.cache.nbytes - (shared_prefix(batch.cache) or (0, 0))[1],
+                        transient=job.plan.prefill_bytes)
         per_slot = slot_bytes(self.model.config, self.dtype_bytes, job.method, kv_bits=self.kv_bits)
         per_row = row_bytes(self.model.config, self.dtype_bytes, job.method, self.kv_bits)
         per_vector = slot_bytes(self.model.config, self.dtype_bytes, job.method, stock=True)
@@ -442,11 +445,14 @@ class Engine:
                 job.emit("delta", result.text[len(job.sent):])
             job.emit("done", result)
 
-    def _record_kv(self, extra: int = 0) -> None:
+    def _record_kv(self, extra: int = 0, transient: int = 0) -> None:
+        """The KV gauge: the lanes' bytes, ``extra`` (a cache not in a lane yet) and the prefixes once;
+        ``transient``: bytes in place of ``extra`` a moment ago (its prefill), for the peak."""
         with self._lock:
             lanes = [lane.batch.cache for lane in self._lanes if lane.batch.sequences]
             own = sum(cache.nbytes - (shared_prefix(cache) or (0, 0))[1] for cache in lanes)
-            self.stats.kv(own + extra + self._prefix_bytes())
+            prefixes = self._prefix_bytes(self._admitted)  # an admitted job holds its context
+            self.stats.kv(own + extra + prefixes, own + transient + prefixes)
 
     # -- /metrics -------------------------------------------------------------------------------------
     def metrics(self) -> dict:

@@ -70,9 +70,10 @@ class Stats:
         now = time.monotonic()
         return sum(n for t, n in self._recent if t >= now - WINDOW) / WINDOW
 
-    def kv(self, in_use: int) -> None:
+    def kv(self, in_use: int, peak: int = 0) -> None:
+        """``in_use`` bytes held now; ``peak``: the most held since the last call, if more (a prefill's)."""
         self.kv_bytes = in_use
-        self.kv_bytes_peak = max(self.kv_bytes_peak, in_use)
+        self.kv_bytes_peak = max(self.kv_bytes_peak, in_use, peak)
 
 
 HELP = {
