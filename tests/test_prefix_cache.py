@@ -12,16 +12,16 @@ from d2o.errors import D2OError
 from d2o.options import parse_bytes
 from d2o.runtime.context import compress, conversation_ids
 from d2o.runtime.generation import generate
-from d2o.runtime.memory import shared_plan, slot_bytes
+from d2o.runtime.memory import shareable, shared_plan, slot_bytes
 from d2o.runtime.prompts import encode
 from d2o.serve.config import ServeConfig
 
 pytestmark = pytest.mark.real_model
 
 
-def ask(url: str, messages: list[dict]):
+def ask(url: str, messages: list[dict], method: str = "d2o-novelty"):
     return client(url).chat.completions.create(model="smollm2", messages=messages, max_tokens=10, temperature=0,
-                                               extra_body={"kv_method": "d2o-novelty", "kv_budget": 0.2})
+                                               extra_body={"kv_method": method, "kv_budget": 0.2})
 
 
 def test_a_chat_reuses_its_compressed_turns_and_answers_as_the_library_does(real_model):
@@ -157,19 +157,23 @@ def test_eight_concurrent_questions_on_a_kept_document_hold_it_once(real_model):
     assert values["d2o_kv_bytes_peak"] < 0.5 * 8 * kept
 
 
-@pytest.mark.parametrize("share_prefixes, kv_bits, heads", [(False, None, "even"), (True, 4, "even"),
-                                                            (True, 4, "adaptive")])
-def test_a_server_copying_kept_documents_answers_alike(real_model, share_prefixes, kv_bits, heads):
+@pytest.mark.parametrize("method, share_prefixes, kv_bits, heads", [
+    ("d2o-novelty", False, None, "even"), ("d2o-novelty", True, 4, "even"), ("d2o-novelty", True, 4, "adaptive"),
+    ("kvzip", True, None, "adaptive")])
+def test_a_server_on_kept_documents_answers_alike(real_model, method, share_prefixes, kv_bits, heads):
     """Each request copies the kept document when told to (``share_prefixes=False``, ``bench serve
     --prefix-sharing copied``) or when its layers cannot be read in place (keys stored quantized, a
-    run of slots per KV head); the answers are the library's."""
+    run of slots per KV head of a method that evicts while decoding), and reads it in place
+    otherwise (runs of ``kvzip``, which evicts nothing once compressed); the answers are the
+    library's."""
     model, tokenizer = real_model
     document = [{"role": "system", "content": "Answer from this document.\n\n" + essay(tokenizer, 300)}]
     questions = [{"role": "user", "content": "What is it about?"}, {"role": "user", "content": "Who wrote it?"}]
-    context = compress(model, tokenizer, document, "d2o-novelty", 0.2, chat=True, kv_bits=kv_bits, heads=heads)
+    context = compress(model, tokenizer, document, method, 0.2, chat=True, kv_bits=kv_bits, heads=heads)
+    assert shareable(context.cache) == (kv_bits is None and (heads == "even" or method == "kvzip"))
     with serving(model, tokenizer, kv_memory=parse_bytes("256MB"), prefix_cache_memory=parse_bytes("32MB"),
                  share_prefixes=share_prefixes, kv_bits=kv_bits,
-                 method_options={"d2o-novelty": {"heads": heads}}) as (url, _):
-        answers = [ask(url, document + [question]) for question in questions]
+                 method_options={method: {"heads": heads}}) as (url, _):
+        answers = [ask(url, document + [question], method) for question in questions]
     assert answers[1].usage.prompt_tokens_details.cached_tokens == len(context.ids)
     assert [a.choices[0].message.content for a in answers] == [context.ask(q["content"], 10).text for q in questions]

@@ -9,11 +9,12 @@ from conftest import byte_tokenizer, tiny_model
 
 import d2o
 from d2o.engine.cache import CompressedCache
-from d2o.engine.shared import SharedPrefixLayer
+from d2o.engine.ragged import RaggedLayer
+from d2o.engine.shared import SharedPrefixLayer, SharedRunsLayer
 from d2o.runtime.context import compress
 from d2o.runtime.decoding import Sequence
-from d2o.runtime.memory import (own_peaks, padded_bytes, peak_slots, prefix_widths, shared_plan, shared_prefix,
-                               slot_bytes, slot_widths)
+from d2o.runtime.memory import (own_peaks, padded_bytes, peak_slots, prefix_widths, shareable, shared_plan,
+                               shared_prefix, slot_bytes, slot_widths)
 
 CONTEXT = "The quick brown fox jumps over the lazy dog near the river bank. " * 5
 QUESTIONS = ["What jumps?", "Who is lazy? Tell me now, please.", "Where?", "Why is the fox so quick today?"]
@@ -175,3 +176,57 @@ def test_rows_on_a_shared_prefix_stay_within_their_padded_bound_which_counts_it_
             limit = bound([0, 2, 3])
         batch.step()
         assert batch.cache.nbytes <= limit, (step, batch.cache.nbytes, limit)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("method", ["kvzip", "snapkv"])
+def test_rows_on_a_context_of_runs_read_it_in_place(arch, method):
+    """A context whose KV heads keep counts of their own (``heads=adaptive``) of a method that evicts
+    nothing while decoding: its rows read its runs in place (``SharedRunsLayer``) and hold no
+    bookkeeping of them, only their own tokens in every KV head; they answer as rows on copies, the
+    context is unchanged, and saved they load as runs that go on alike."""
+    model = tiny_model(arch, **(dict(num_attention_heads=8, num_key_value_heads=8, head_dim=8) if arch == "llama"
+                                else {}))
+    context = compress(model, byte_tokenizer(), CONTEXT, d2o.get_method(method, heads="adaptive"), BUDGET)
+    runs = [layer for layer in context.cache.layers if isinstance(layer, RaggedLayer)]
+    assert runs and any(bool((layer.head_counts() != layer.head_counts()[:, :1]).any()) for layer in runs)
+    before = [(layer.keys.clone(), layer.token_index.clone()) for layer in runs]
+    copied, ids, copied_rows = asked(context, shared=False)
+    shared, _, shared_rows = asked(context, shared=True)
+    torch.testing.assert_close(shared.logits, copied.logits, rtol=1e-4, atol=1e-4)
+    widest = max(map(len, ids))
+    for mine, theirs in zip(shared.cache.layers, context.cache.layers):
+        if not isinstance(theirs, RaggedLayer):
+            assert isinstance(mine, SharedPrefixLayer)
+            continue
+        assert isinstance(mine, SharedRunsLayer) and mine.prefix["keys"] is theirs.keys
+        # Its slot table is its own tokens alone: the questions', padded to the widest, in every KV head.
+        assert mine.token_index.shape == (len(ids), theirs.kv_heads, widest)
+        pair_bytes = theirs.keys[0, 0, 0].nbytes + theirs.values[0, 0, 0].nbytes
+        assert mine.nbytes == theirs.nbytes + len(ids) * theirs.kv_heads * widest * pair_bytes
+        assert torch.equal(mine.head_counts()[0], theirs.head_counts()[0] + len(ids[0]))
+
+    tensors, meta = shared.cache.state_dict()
+    loaded = CompressedCache(model, d2o.get_method(method, heads="adaptive"), BUDGET)
+    loaded.load_state_dict({name: tensor.clone() for name, tensor in tensors.items()}, meta, torch.float32)  # as read
+    for mine, theirs in zip(loaded.layers, shared.cache.layers):                                              # back
+        assert isinstance(mine, RaggedLayer) == isinstance(theirs, SharedRunsLayer)
+        assert torch.equal(mine.head_counts(), theirs.head_counts())
+    token = shared.logits.argmax(-1, keepdim=True)
+    with torch.inference_mode():
+        again = model(input_ids=token, cache=loaded).logits[:, -1]
+    shared.run()
+    copied.run()
+    assert [s.tokens for s in shared_rows] == [s.tokens for s in copied_rows]
+    longest = max(range(len(ids)), key=lambda row: len(ids[row]))  # the row whose position the model's default is
+    assert int(again[longest].argmax()) == shared_rows[longest].tokens[1]
+    for layer, (keys, index) in zip(runs, before):
+        assert torch.equal(layer.keys, keys) and torch.equal(layer.token_index, index)
+
+
+def test_rows_on_runs_of_a_method_that_evicts_while_decoding_copy_them():
+    model = tiny_model("llama", num_attention_heads=8, num_key_value_heads=8, head_dim=8)
+    context = compress(model, byte_tokenizer(), CONTEXT, d2o.get_method("d2o-novelty", heads="adaptive"), BUDGET)
+    shared, _, _ = asked(context, shared=True)
+    assert not shareable(context.cache)
+    assert all(isinstance(layer, RaggedLayer) for layer in shared.cache.layers)

@@ -29,7 +29,7 @@ from transformers.models.llama.modeling_llama import eager_attention_forward
 from d2o.engine.api import AttentionStats, StatsRequest, as_dtype
 from d2o.engine.cache import CompressedCache
 from d2o.engine.ragged import RaggedLayer
-from d2o.engine.shared import SharedPrefixLayer
+from d2o.engine.shared import SharedPrefixLayer, SharedRunsLayer
 from d2o.engine.stats import allowed_keys, attention_stats
 from d2o.engine.storage import HOOK_PREFIX
 from d2o.errors import D2OError
@@ -96,6 +96,8 @@ def _make_attention(backend: str):
                 layer.admit(new_valid)
             if isinstance(layer, RaggedLayer):  # compressed once: it observes nothing from then on
                 return _ragged_attention(layer, query, scaling), None
+            if isinstance(layer, SharedRunsLayer):  # reading runs in place: nothing observed either
+                return _shared_runs_attention(layer, query, scaling), None
             if layer.observing:
                 request = layer.cache.policy.stats_request(layer.view, n_query)
             shared = isinstance(layer, SharedPrefixLayer) and n_query == 1
@@ -247,6 +249,37 @@ def _ragged_attention(layer: RaggedLayer, query: torch.Tensor, scaling: float) -
                                                 attn_mask=mask, scale=scaling)
         outputs.append(output.view(batch, group, n_query, -1))
     return torch.cat(outputs, dim=1).transpose(1, 2).contiguous()
+
+
+def _shared_runs_attention(layer: SharedRunsLayer, query: torch.Tensor, scaling: float) -> torch.Tensor:
+    """The output (B, q, H, D) of queries (B, H, q, D) over rows reading a layer of runs in place: per
+    KV head, every row's queries of its query heads against the head's run of the prefix as one
+    row's (one product, the prefix never repeated per row), then against the row's own part (the
+    pass's own tokens causally), one softmax over both (float32 at least). Masked by the lowest
+    value: a padding query gets a finite output, which nothing reads."""
+    batch, heads, n_query, dim = query.shape
+    group = heads // layer.kv_heads
+    dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+    lowest = torch.finfo(dtype).min
+    keys, values = (as_dtype(layer.prefix[name][0, 0], dtype) for name in ("keys", "values"))  # (T, D)
+    prefix_empty = layer.prefix_index[0, 0] < 0  # (T,)
+    own_valid = layer.token_index >= 0  # (B, G, N)
+    own_bias = torch.zeros(own_valid.shape[:2] + (n_query, own_valid.shape[2]), dtype=dtype, device=query.device)
+    own_bias.masked_fill_(~allowed_keys(own_valid, 0, n_query, n_query, own_valid.shape[2]), lowest)
+    own_keys, own_values = (as_dtype(vectors, dtype) for vectors in (layer.keys, layer.values))  # (B, G, N, D)
+    queries = as_dtype(query, dtype).reshape(batch, layer.kv_heads, group * n_query, dim) * scaling
+    outputs = []
+    for g, (start, stop) in enumerate(layer.runs):
+        mine = queries[:, g]  # (B, group x q, D)
+        shared = (mine.reshape(batch * group * n_query, dim) @ keys[start:stop].T).view(batch, group, n_query, -1)
+        own = (mine @ own_keys[:, g].transpose(-1, -2)).view(batch, group, n_query, -1) + own_bias[:, g, None]
+        probs = torch.softmax(torch.cat([shared.masked_fill_(prefix_empty[start:stop], lowest), own], dim=-1), dim=-1)
+        width = stop - start
+        output = (probs[..., :width].reshape(batch * group * n_query, width) @ values[start:stop]).view(
+            batch, group, n_query, -1) + probs[..., width:].reshape(batch, group * n_query, -1).matmul(
+            own_values[:, g]).view(batch, group, n_query, -1)
+        outputs.append(output)
+    return as_dtype(torch.cat(outputs, dim=1), query.dtype).transpose(1, 2).contiguous()
 
 
 def _sliding_window(window, positions, query_pos):

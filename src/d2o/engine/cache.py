@@ -23,7 +23,7 @@ from d2o.engine.quantized import QuantizedLayer
 from d2o.engine.ragged import QuantizedRaggedLayer, RaggedLayer
 from d2o.engine.report import CacheReport, report_of
 from d2o.engine.schedule import Schedule
-from d2o.engine.shared import SharedPrefixLayer
+from d2o.engine.shared import SharedPrefixLayer, SharedRunsLayer
 from d2o.engine.slots import named
 from d2o.engine.stats import token_surprisal
 from d2o.engine.storage import CompressedLayer
@@ -132,15 +132,18 @@ class CompressedCache(Cache):
         """A cache in this one's state that goes on alone (another question on a compressed context):
         key/value tensors and token indices shared (neither writes them in place from now on), what
         a policy accumulates into copied. ``shared_prefix``: its layers read this one's keys and
-        values in place for good, as a read-only prefix (``shared.SharedPrefixLayer``; a layer that
-        cannot be one, quantized or of a batch, is copied as without), so that copies joined into one
-        batch hold them once."""
+        values in place for good, as a read-only prefix (``shared.SharedPrefixLayer``; a layer of runs
+        whose method evicts nothing while decoding, ``shared.SharedRunsLayer``; a layer that cannot be
+        either, quantized or of a batch, is copied as without), so that copies joined into one batch
+        hold them once."""
         new = copy.copy(self)
         new.prober = self.prober.copy()
         new.schedule = copy.copy(self.schedule)
         new.schedule.cache = new
-        new.layers = [SharedPrefixLayer.over(layer, new) if shared_prefix and SharedPrefixLayer.can_share(layer)
-                      else layer.copy_for(new) for layer in self.layers]
+        new.layers = [layer.copy_for(new) if not shared_prefix else
+                      SharedPrefixLayer.over(layer, new) if SharedPrefixLayer.can_share(layer) else
+                      SharedRunsLayer.over(layer, new) if SharedRunsLayer.can_share(layer) else
+                      layer.copy_for(new) for layer in self.layers]
         new._make_views()
         return new
 

@@ -29,6 +29,7 @@ from dataclasses import replace
 import torch
 
 from d2o.engine.api import Merged
+from d2o.engine.ragged import RaggedLayer
 from d2o.engine.selection import take_slots
 from d2o.engine.slots import SlotTable
 from d2o.engine.storage import CompressedLayer
@@ -266,3 +267,82 @@ class SharedPrefixLayer(CompressedLayer):
         tensors.update({f"stored.{name}": vectors for name, vectors in zip(VECTORS, self.attended())})
         self.settle()
         return tensors, meta
+
+
+class SharedRunsLayer(CompressedLayer):
+    """Rows reading a layer of runs (``RaggedLayer``: a count of its own per KV head) in place, for a
+    method that evicts nothing once the prompt is compressed (``can_share``): the runs' keys, values
+    and token indices are one read-only prefix, (1, 1, T) with its KV heads' ``prefix_bounds``; the
+    tokens fed after it go to an ordinary part of the layer's own, (B, G, N), as every KV head takes
+    every new token. So a row holds no bookkeeping of the prefix at all (nothing of it is evicted,
+    merged into or scored again): its slot table is its own part alone (``prefix_width`` 0), which
+    rows, copies and memory plans treat as any layer. The attention reads, per KV head, its run of
+    the prefix (every row's queries against it as one row's) beside the row's own part, one softmax
+    over both (``attention._shared_runs_attention``). Saved, it is written as runs: the prefix's run
+    then the own part of every KV head (loaded, it is a ``RaggedLayer``)."""
+
+    prefix_width = 0  # slots of the prefix in the slot table (none) and in each row's plan
+
+    @staticmethod
+    def can_share(layer: CompressedLayer) -> bool:
+        """Whether rows can read ``layer`` in place this way: a layer of runs (not quantized) of one
+        row that no longer observes (its method evicts nothing while decoding) and weighs no slot."""
+        return type(layer) is RaggedLayer and layer.is_initialized and not layer.observing and \
+            layer.token_index.shape[0] == 1 and layer.log_weight is None
+
+    @classmethod
+    def over(cls, source: RaggedLayer, cache) -> SharedRunsLayer:
+        """A layer of ``cache`` going on from ``source`` (``can_share``), its runs as the prefix: the
+        rows' counts and state copied, an own part of no slots."""
+        layer = cls.__new__(cls)
+        fields = dict(source.copy_for(cache).__dict__)
+        for name in ("slots", "bounds", "fresh", "_open", "_kept_open", "_fed"):
+            fields.pop(name, None)
+        layer.__dict__.update(fields)
+        layer.prefix = {"keys": source.keys, "values": source.values}
+        layer.prefix_index, layer.prefix_bounds = source.token_index, list(source.bounds)
+        heads = source.kv_heads
+        layer._set(SlotTable({name: vectors.new_empty((1, heads, 0, vectors.shape[-1]))
+                              for name, vectors in layer.prefix.items()},
+                             source.token_index.new_empty((1, heads, 0))))
+        return layer
+
+    kv_heads = property(lambda layer: len(layer.prefix_bounds) - 1)
+    runs = property(lambda layer: list(zip(layer.prefix_bounds, layer.prefix_bounds[1:])),
+                    doc="Each KV head's (start, stop) in the prefix.")
+    n_kept = property(lambda layer: (layer.prefix_index >= 0).sum() // layer.kv_heads
+                      + (layer.slots.token_index[:, 0] >= 0).sum(-1),
+                      doc="(B,) tokens read per row and KV head on average: the prefix's pairs over its KV heads, "
+                          "and the own part's.")
+
+    def head_counts(self) -> torch.Tensor:
+        """(B, G): the tokens each KV head reads, the prefix's run and the own part's."""
+        valid = self.prefix_index[0, 0] >= 0
+        prefix = torch.stack([valid[start:stop].sum() for start, stop in self.runs])
+        return prefix + super().head_counts()
+
+    def join(self, others: list[CompressedLayer]) -> None:
+        for other in others:
+            if not isinstance(other, SharedRunsLayer) or other.prefix["keys"] is not self.prefix["keys"]:
+                raise D2OError("rows sharing a prefix join only rows of the same prefix")
+        super().join(others)
+
+    nbytes = property(lambda layer: 0 if layer.slots is None else
+                      layer.slots.vector_bytes + sum(vectors.nbytes for vectors in layer.prefix.values()),
+                      doc="Bytes of the own part's keys and values, and the prefix's once.")
+
+    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """A layer of runs' (``RaggedLayer``): each KV head's run of the prefix, for every row, then its
+        own part."""
+        batch = self.slots.token_index.shape[0]
+        pieces = []
+        for g, (start, stop) in enumerate(self.runs):
+            prefix = {name: vectors[:, :, start:stop].expand(batch, -1, -1, -1)
+                      for name, vectors in self.prefix.items()}
+            pieces += [SlotTable(prefix, self.prefix_index[:, :, start:stop].expand(batch, -1, -1)),
+                       self.slots.slots_between(0, self.slots.width, slice(g, g + 1))]
+        bounds = [0]
+        for (start, stop) in self.runs:
+            bounds.append(bounds[-1] + stop - start + self.slots.width)
+        tensors, meta = self._saved(SlotTable.cat(pieces))
+        return tensors, {**meta, "bounds": bounds}

@@ -407,7 +407,11 @@ class CompressedLayer(CacheLayerMixin):
 
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict]:
         """Its tensors by name, and what else ``load_state_dict`` needs."""
-        tensors = {**self.slots.state_dict(),
+        return self._saved(self.slots)
+
+    def _saved(self, table: SlotTable) -> tuple[dict[str, torch.Tensor], dict]:
+        """``state_dict`` with ``table`` as the layer's slot table."""
+        tensors = {**table.state_dict(),
                    **{name: getattr(self, name) for name in self.row_fields if getattr(self, name) is not None}}
         layout = {}
         if self.state is not None:

@@ -33,7 +33,7 @@ from d2o.budget import UNLIMITED, Budget
 from d2o.engine.model_facts import compressible_layers, head_dim, sliding_windows
 from d2o.engine.quantization import KVQuantization
 from d2o.engine.ragged import RaggedLayer
-from d2o.engine.shared import SharedPrefixLayer
+from d2o.engine.shared import SharedPrefixLayer, SharedRunsLayer
 from d2o.engine.storage import TOKEN_INDEX_DTYPE
 from d2o.methods.base import Method
 
@@ -222,12 +222,17 @@ def prefix_identity(cache) -> int | None:
     layer = next((layer for layer in cache.layers if layer.is_initialized), None)
     if layer is None:
         return None
-    return id(layer.keys) if SharedPrefixLayer.can_share(layer) else id(layer)  # read in place, or copied by each
+    return id(layer.keys) if _reads_in_place(layer) else id(layer)  # read in place, or copied by each
 
 
 def shareable(cache) -> bool:
     """Whether rows can read ``cache`` (a compressed context) in place: every layer a prefix."""
-    return all(SharedPrefixLayer.can_share(layer) for layer in cache.layers)
+    return all(map(_reads_in_place, cache.layers))
+
+
+def _reads_in_place(layer) -> bool:
+    """Whether rows can read ``layer`` (a context's) in place: as a plain prefix, or a prefix of runs."""
+    return SharedPrefixLayer.can_share(layer) or SharedRunsLayer.can_share(layer)
 
 
 def _own_slots_per_token(cache) -> int:
@@ -239,10 +244,10 @@ def _own_slots_per_token(cache) -> int:
 def shared_plan(cache, rest_tokens: int, new_tokens: int, per_slot: list[int], per_vector: list[int]) -> KVPlan:
     """The KV bytes of one row reading ``cache`` (``shareable``) in place, fed ``rest_tokens`` more
     and generating ``new_tokens``: its own part (``_own_slots_per_token`` per token, ``evict_every``
-    beside them) and its bookkeeping of the context's slots; the context's keys and values are not
-    counted (they are the context's)."""
+    beside them) and its bookkeeping of the context's slots (of a plain layer's: a row on runs holds
+    none, ``SharedRunsLayer``); the context's keys and values are not counted (they are the context's)."""
     own = _own_slots_per_token(cache) * (rest_tokens + new_tokens) + cache.evict_every
-    held = sum(own * slot + layer.token_index.shape[2] * (slot - vector)
+    held = sum(own * slot + (layer.token_index.shape[2] * (slot - vector) if SharedPrefixLayer.can_share(layer) else 0)
                for layer, slot, vector in zip(cache.layers, per_slot, per_vector))
     return KVPlan(held, held)
 
@@ -253,17 +258,17 @@ def prefix_widths(cache) -> list[int]:
 
 
 def own_peaks(cache, new_tokens: int, peaks: torch.Tensor) -> torch.Tensor:
-    """(B, L): the most slots each row's own part beside a shared prefix (``engine.shared``; 0 in a
-    layer without one) spans while it is fed up to ``new_tokens`` more tokens: it grows by
-    ``_own_slots_per_token`` per token, a row never holds more than its ``peaks`` (``peak_slots``
-    for as many tokens), and the part is at most ``evict_every`` slots wider than its fullest KV head
-    (``SharedPrefixLayer``)."""
+    """(B, L): the most slots each row's own part beside a shared prefix (``engine.shared``; its
+    ``peaks`` in a layer without one: all of it is its own) spans while it is fed up to
+    ``new_tokens`` more tokens: it grows by ``_own_slots_per_token`` per token, a row never holds
+    more than its ``peaks`` (``peak_slots`` for as many tokens), and the part is at most
+    ``evict_every`` slots wider than its fullest KV head (``SharedPrefixLayer``)."""
     per_token = _own_slots_per_token(cache)
     columns = []
     for layer, peak in zip(cache.layers, peaks.unbind(1)):
         width = getattr(layer, "prefix_width", None)
-        if width is None:
-            columns.append(torch.zeros_like(peak))
+        if width is None:  # no prefix: the row's whole layer is its own
+            columns.append(peak)
             continue
         fullest = (layer.token_index[:, :, width:] >= 0).sum(-1).amax(-1).cpu()
         columns.append(torch.minimum(fullest + per_token * new_tokens, peak) + cache.evict_every)
@@ -276,12 +281,13 @@ def padded_bytes(widths: list[int], peaks: torch.Tensor, per_slot: list[int], pe
     """The most KV bytes a batch of rows with ``peaks`` (B, L) from ``peak_slots`` reaches: every
     row is as wide as the widest in each layer. ``widths``: each layer's slots now (a batch's
     tensors do not narrow when its widest row leaves); ``per_slot``: ``slot_bytes``; ``per_row``:
-    ``row_bytes``. Rows on a shared prefix (``prefix``: ``prefix_widths``) hold its bookkeeping each
-    (``per_slot`` but ``per_vector``, the keys' and values' part) beside their own parts (``own``:
-    ``own_peaks``); its keys and values are the context's, not counted here (``shared_prefix``)."""
+    ``row_bytes``. Given ``own`` (``own_peaks``: rows on a shared prefix), each row holds its own part
+    and the bookkeeping of the prefix's slots in its slot table (``prefix``: ``prefix_widths``;
+    ``per_slot`` but ``per_vector``, the keys' and values' part); the prefix's keys and values are
+    the context's, not counted here (``shared_prefix``)."""
     if not len(peaks):
         return 0
-    if prefix is None or not any(prefix):
+    if own is None:
         widest = torch.maximum(peaks.max(0).values, torch.tensor(widths, dtype=peaks.dtype))
         return len(peaks) * (int((widest * torch.tensor(per_slot, dtype=widest.dtype)).sum()) + per_row)
     shared = torch.tensor(prefix, dtype=peaks.dtype)
