@@ -743,6 +743,8 @@ def bench_ask(
     min_tokens: Optional[int] = typer.Option(None, help=FLOOR_HELP),
     server: bool = typer.Option(False, "--server", help="Also send the questions at once to a d2o serve on the "
                                 "kept document and read its /metrics KV gauge while they run."),
+    heads: str = typer.Option("even", help="Comma-separated: even, adaptive (each KV head its own count: the methods "
+                              "that take it), each a row."),
     model: str = MODEL, dtype: str = DTYPE, device: Optional[str] = DEVICE, out: Path = OUT,
 ):
     """KV bytes and decode time of many questions on one compressed document, answered as one batch:
@@ -753,6 +755,8 @@ def bench_ask(
         raise D2OError(f"--questions {questions}: NIAH has 8 needles")
     if "full" in names:
         raise D2OError("--methods: 'full' compresses nothing; name methods that do")
+    ways = distinct(tuple(split_list(heads)), "heads values")
+    check_heads(ways)
     check_device(device)
     check_out(out)
 
@@ -760,9 +764,9 @@ def bench_ask(
     from d2o.bench.output import emit
 
     net, tokenizer = bench_model(model, None, 0, dtype, device, names, parsed)
-    rows = run(net, tokenizer, list(names), parsed, length, questions, max_tokens, server)
+    rows = run(net, tokenizer, list(names), parsed, length, questions, max_tokens, server, ways)
     setting = dict(model=model, dtype=dtype, budget=str(parsed), length=length, questions=questions,
-                   max_tokens=max_tokens, server=server)
+                   max_tokens=max_tokens, server=server, heads=list(ways))
     emit(rows, f"{questions} questions on one compressed document of {length} tokens: {model}, budget "
          f"{parsed.described}", "ask", out, setting)
 

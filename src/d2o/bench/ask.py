@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 
+from d2o.bench.decode import takes_adaptive_heads
 from d2o.budget import Budget
 from d2o.runtime.context import compress
 from d2o.runtime.decoding import Sequence
@@ -69,7 +70,7 @@ def _gauge(url: str) -> tuple[float, float]:
 
 
 def _through_server(model, tokenizer, text: str, asked: list[str], method: str, budget: Budget, max_tokens: int,
-                    slot: int) -> dict:
+                    slot: int, options: dict) -> dict:
     """The questions sent to ``d2o serve`` at once (the document in a system message, each question
     as the user), after one request had the document compressed and kept: the most KV bytes its
     /metrics gauge showed while they ran (sampled), less their own tokens at ``slot`` bytes each,
@@ -84,7 +85,8 @@ def _through_server(model, tokenizer, text: str, asked: list[str], method: str, 
     from d2o.serve.engine import Engine
 
     config = ServeConfig(method=method, budget=str(budget), min_tokens=budget.min_tokens, kv_memory=1024 * 10**6,
-                         prefix_cache_memory=256 * 10**6, max_queue=len(asked) + 1)
+                         prefix_cache_memory=256 * 10**6, max_queue=len(asked) + 1,
+                         method_options={method: options} if options else {})
     engine = Engine(model, tokenizer, config)
 
     def ask(url: str, question: str):
@@ -122,11 +124,15 @@ def _through_server(model, tokenizer, text: str, asked: list[str], method: str, 
 
 
 def bench_ask(model, tokenizer, methods: list[str], budget: Budget, length: int = 1500, questions: int = 8,
-              max_tokens: int = 16, server: bool = False) -> list[dict]:
+              max_tokens: int = 16, server: bool = False, heads: tuple[str, ...] = ("even",)) -> list[dict]:
+    """One row per method and way of keeping KV heads (``heads``: even, adaptive, for the methods
+    that take it)."""
     text, asked, golds = document(tokenizer, length, questions)
     rows = []
-    for method in methods:
-        context = compress(model, tokenizer, text, method, budget, chat=True)
+    for method, way in [(method, way) for method in methods for way in heads
+                        if way == "even" or takes_adaptive_heads(method)]:
+        options = {} if way == "even" else {"heads": way}
+        context = compress(model, tokenizer, text, method, budget, chat=True, **options)
         # Keys and values of one token in every layer (the model's dtype): what a row's own token holds.
         token_bytes = sum(slot_bytes(model.config, next(model.parameters()).element_size(), context.method,
                                      stock=True))
@@ -140,7 +146,7 @@ def bench_ask(model, tokenizer, methods: list[str], budget: Budget, length: int 
         slot = sum(slot_bytes(model.config, next(model.parameters()).element_size(), context.method))
         beyond_own = shared["peak_all"] - shared["own_tokens"] * slot
         rows.append({
-            "method": method, "budget": str(budget), "document KV bytes": document_bytes,
+            "method": method, "heads": way, "budget": str(budget), "document KV bytes": document_bytes,
             "questions": questions,
             "shared: KV bytes after the questions": shared["fed"], "shared: peak KV bytes": shared["peak"],
             "copied: peak KV bytes": copied["peak"],
@@ -155,5 +161,6 @@ def bench_ask(model, tokenizer, methods: list[str], budget: Budget, length: int 
             "with bookkeeping: (shared peak - own tokens) / document": beyond_own / context.nbytes,
             "ms per step, shared / copied": shared["ms_per_step"] / copied["ms_per_step"],
             "same answers": shared["answers"] == copied["answers"], "needles found": f"{found}/{questions}",
-            **(_through_server(model, tokenizer, text, asked, method, budget, max_tokens, slot) if server else {})})
+            **(_through_server(model, tokenizer, text, asked, method, budget, max_tokens, slot, options)
+               if server else {})})
     return rows

@@ -1,4 +1,4 @@
-"""A layer whose rows attend to one read-only prefix in place: many questions on one compressed context.
+"""Layers whose rows attend to one read-only prefix in place: many questions on one compressed context.
 
 The prefix is another layer's keys and values (1, G, P, D), never written and never copied per row;
 the tokens fed after it go to a part of the layer's own (B, G, N, D). The slot table is full width
@@ -20,6 +20,10 @@ see one layer. What differs per row is bookkeeping only:
   quantized layer's open copy.
 
 The prefix's bytes count once (``nbytes``); a saved layer is written whole (a plain layer's form).
+
+A context whose KV heads keep counts of their own (a ``RaggedLayer`` of runs) is read in place by
+``SharedRunsLayer`` instead, when its method evicts nothing once the prompt is compressed: no row
+ever evicts from, merges into or scores the prefix, so the rows hold no bookkeeping of it at all.
 """
 
 from __future__ import annotations
