@@ -11,6 +11,7 @@ import d2o
 from d2o.engine.cache import CompressedCache
 from d2o.engine.ragged import RaggedLayer
 from d2o.engine.shared import SharedPrefixLayer, SharedRunsLayer
+from d2o.engine.storage import CompressedLayer
 from d2o.runtime.context import compress
 from d2o.runtime.decoding import Sequence
 from d2o.runtime.memory import (own_peaks, padded_bytes, peak_slots, prefix_widths, shareable, shared_plan,
@@ -37,7 +38,12 @@ def test_rows_on_a_shared_prefix_answer_as_rows_on_copies_and_hold_it_once(arch,
     before = [(layer.keys.clone(), layer.values.clone(), layer.token_index.clone()) for layer in context.cache.layers]
     copied, ids, copied_rows = asked(context, shared=False)
     shared, _, shared_rows = asked(context, shared=True)
-    assert all(isinstance(layer, SharedPrefixLayer) for layer in shared.cache.layers)
+    # A method that evicts nothing while decoding has its rows read the context with no bookkeeping of
+    # it (``SharedRunsLayer``), but in a sliding window's layers, which evict as the window moves.
+    compressed_once = not d2o.get_method(method).evicts_during_decode
+    assert [type(layer) for layer in shared.cache.layers] == [
+        SharedRunsLayer if compressed_once and layer.window is None else SharedPrefixLayer
+        for layer in shared.cache.layers]
     for mine, theirs in zip(shared.cache.layers, context.cache.layers):
         assert mine.prefix["keys"] is theirs.keys and mine.prefix["values"] is theirs.values
     torch.testing.assert_close(shared.logits, copied.logits, rtol=1e-4, atol=1e-4)
@@ -230,3 +236,26 @@ def test_rows_on_runs_of_a_method_that_evicts_while_decoding_copy_them():
     shared, _, _ = asked(context, shared=True)
     assert not shareable(context.cache)
     assert all(isinstance(layer, RaggedLayer) for layer in shared.cache.layers)
+
+
+def test_rows_reading_a_plain_context_with_no_bookkeeping_save_as_a_plain_layer():
+    """``kvzip`` (even) evicts nothing while decoding: its rows read the context's plain layers with
+    no bookkeeping of them; saved, they load as plain layers holding the context's slots then each
+    row's own, which go on as the rows do."""
+    model = tiny_model("llama")
+    context = compress(model, byte_tokenizer(), CONTEXT, "kvzip", BUDGET)
+    shared, ids, rows = asked(context, shared=True)
+    assert all(isinstance(layer, SharedRunsLayer) and layer.slots.width == max(map(len, ids))
+               for layer in shared.cache.layers)
+    tensors, meta = shared.cache.state_dict()
+    loaded = CompressedCache(model, d2o.get_method("kvzip"), BUDGET)
+    loaded.load_state_dict({name: tensor.clone() for name, tensor in tensors.items()}, meta, torch.float32)
+    for mine, theirs, source in zip(loaded.layers, shared.cache.layers, context.cache.layers):
+        assert type(mine) is CompressedLayer and torch.equal(mine.head_counts(), theirs.head_counts())
+        assert torch.equal(mine.keys[:, :, :source.slots.width], source.keys.expand(len(ids), -1, -1, -1))
+    token = shared.logits.argmax(-1, keepdim=True)
+    with torch.inference_mode():
+        again = model(input_ids=token, cache=loaded).logits[:, -1]
+    shared.run()
+    longest = max(range(len(ids)), key=lambda row: len(ids[row]))
+    assert int(again[longest].argmax()) == rows[longest].tokens[1]

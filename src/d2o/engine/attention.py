@@ -252,30 +252,30 @@ def _ragged_attention(layer: RaggedLayer, query: torch.Tensor, scaling: float) -
 
 
 def _shared_runs_attention(layer: SharedRunsLayer, query: torch.Tensor, scaling: float) -> torch.Tensor:
-    """The output (B, q, H, D) of queries (B, H, q, D) over rows reading a layer of runs in place: per
-    KV head, every row's queries of its query heads against the head's run of the prefix as one
-    row's (one product, the prefix never repeated per row), then against the row's own part (the
-    pass's own tokens causally), one softmax over both (float32 at least). Masked by the lowest
-    value: a padding query gets a finite output, which nothing reads."""
+    """The output (B, q, H, D) of queries (B, H, q, D) over rows reading a context's layer in place
+    (``SharedRunsLayer``): per KV head, every row's queries of its query heads against the head's
+    run of the prefix as one row's (one product, the prefix never repeated per row), then against
+    the row's own part (the pass's own tokens causally), one softmax over both (float32 at least).
+    Masked by the lowest value: a padding query gets a finite output, which nothing reads."""
     batch, heads, n_query, dim = query.shape
     group = heads // layer.kv_heads
     dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
     lowest = torch.finfo(dtype).min
-    keys, values = (as_dtype(layer.prefix[name][0, 0], dtype) for name in ("keys", "values"))  # (T, D)
-    prefix_empty = layer.prefix_index[0, 0] < 0  # (T,)
     own_valid = layer.token_index >= 0  # (B, G, N)
     own_bias = torch.zeros(own_valid.shape[:2] + (n_query, own_valid.shape[2]), dtype=dtype, device=query.device)
     own_bias.masked_fill_(~allowed_keys(own_valid, 0, n_query, n_query, own_valid.shape[2]), lowest)
     own_keys, own_values = (as_dtype(vectors, dtype) for vectors in (layer.keys, layer.values))  # (B, G, N, D)
     queries = as_dtype(query, dtype).reshape(batch, layer.kv_heads, group * n_query, dim) * scaling
     outputs = []
-    for g, (start, stop) in enumerate(layer.runs):
+    for g in range(layer.kv_heads):
+        keys, values = (as_dtype(layer.prefix_run(name, g)[0, 0], dtype) for name in ("keys", "values"))  # (n, D)
         mine = queries[:, g]  # (B, group x q, D)
-        shared = (mine.reshape(batch * group * n_query, dim) @ keys[start:stop].T).view(batch, group, n_query, -1)
+        shared = (mine.reshape(batch * group * n_query, dim) @ keys.T).view(batch, group, n_query, -1)
         own = (mine @ own_keys[:, g].transpose(-1, -2)).view(batch, group, n_query, -1) + own_bias[:, g, None]
-        probs = torch.softmax(torch.cat([shared.masked_fill_(prefix_empty[start:stop], lowest), own], dim=-1), dim=-1)
-        width = stop - start
-        output = (probs[..., :width].reshape(batch * group * n_query, width) @ values[start:stop]).view(
+        empty = layer.prefix_run("token_index", g)[0, 0] < 0
+        probs = torch.softmax(torch.cat([shared.masked_fill_(empty, lowest), own], dim=-1), dim=-1)
+        width = keys.shape[0]
+        output = (probs[..., :width].reshape(batch * group * n_query, width) @ values).view(
             batch, group, n_query, -1) + probs[..., width:].reshape(batch, group * n_query, -1).matmul(
             own_values[:, g]).view(batch, group, n_query, -1)
         outputs.append(output)

@@ -132,8 +132,8 @@ class CompressedCache(Cache):
         """A cache in this one's state that goes on alone (another question on a compressed context):
         key/value tensors and token indices shared (neither writes them in place from now on), what
         a policy accumulates into copied. ``shared_prefix``: its layers read this one's keys and
-        values in place for good, as a read-only prefix (``shared.SharedPrefixLayer``; a layer of runs
-        whose method evicts nothing while decoding, ``shared.SharedRunsLayer``; a layer that cannot be
+        values in place for good, as a read-only prefix (``shared.SharedRunsLayer`` where its method
+        evicts nothing while decoding, else ``shared.SharedPrefixLayer``; a layer that cannot be
         either, quantized or of a batch, is copied as without), so that copies joined into one batch
         hold them once."""
         new = copy.copy(self)
@@ -141,8 +141,8 @@ class CompressedCache(Cache):
         new.schedule = copy.copy(self.schedule)
         new.schedule.cache = new
         new.layers = [layer.copy_for(new) if not shared_prefix else
-                      SharedPrefixLayer.over(layer, new) if SharedPrefixLayer.can_share(layer) else
                       SharedRunsLayer.over(layer, new) if SharedRunsLayer.can_share(layer) else
+                      SharedPrefixLayer.over(layer, new) if SharedPrefixLayer.can_share(layer) else
                       layer.copy_for(new) for layer in self.layers]
         new._make_views()
         return new

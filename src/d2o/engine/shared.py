@@ -274,55 +274,63 @@ class SharedPrefixLayer(CompressedLayer):
 
 
 class SharedRunsLayer(CompressedLayer):
-    """Rows reading a layer of runs (``RaggedLayer``: a count of its own per KV head) in place, for a
-    method that evicts nothing once the prompt is compressed (``can_share``): the runs' keys, values
-    and token indices are one read-only prefix, (1, 1, T) with its KV heads' ``prefix_bounds``; the
-    tokens fed after it go to an ordinary part of the layer's own, (B, G, N), as every KV head takes
-    every new token. So a row holds no bookkeeping of the prefix at all (nothing of it is evicted,
-    merged into or scored again): its slot table is its own part alone (``prefix_width`` 0), which
-    rows, copies and memory plans treat as any layer. The attention reads, per KV head, its run of
-    the prefix (every row's queries against it as one row's) beside the row's own part, one softmax
-    over both (``attention._shared_runs_attention``). Saved, it is written as runs: the prefix's run
-    then the own part of every KV head (loaded, it is a ``RaggedLayer``)."""
+    """Rows reading a context's layer in place, for a method that evicts nothing once the prompt is
+    compressed (``can_share``): the layer's keys, values and token indices are one read-only prefix,
+    each KV head's part of it a run (``prefix_runs``: its head axis and slots; a ``RaggedLayer``'s
+    runs, (1, 1, T), or a plain layer's heads, (1, G, P)); the tokens fed after it go to an ordinary
+    part of the layer's own, (B, G, N), as every KV head takes every new token. So a row holds no
+    bookkeeping of the prefix at all (nothing of it is evicted, merged into or scored again): its
+    slot table is its own part alone (``prefix_width`` 0), which rows, copies and memory plans treat
+    as any layer. The attention reads, per KV head, its run of the prefix (every row's queries
+    against it as one row's) beside the row's own part, one softmax over both
+    (``attention._shared_runs_attention``). Saved, it is written as the layer it reads, with every
+    row's own part after each KV head's run (loaded, a ``RaggedLayer`` or a plain one)."""
 
     prefix_width = 0  # slots of the prefix in the slot table (none) and in each row's plan
 
     @staticmethod
     def can_share(layer: CompressedLayer) -> bool:
-        """Whether rows can read ``layer`` in place this way: a layer of runs (not quantized) of one
-        row that no longer observes (its method evicts nothing while decoding) and weighs no slot."""
-        return type(layer) is RaggedLayer and layer.is_initialized and not layer.observing and \
-            layer.token_index.shape[0] == 1 and layer.log_weight is None
+        """Whether rows can read ``layer`` in place this way: a layer of one row, of runs or plain (not
+        quantized, not a sliding window's), that no longer observes (its method evicts nothing while
+        decoding) and weighs no slot."""
+        return type(layer) in (RaggedLayer, CompressedLayer) and layer.is_initialized and layer.window is None \
+            and not layer.observing and layer.token_index.shape[0] == 1 and layer.log_weight is None
 
     @classmethod
-    def over(cls, source: RaggedLayer, cache) -> SharedRunsLayer:
-        """A layer of ``cache`` going on from ``source`` (``can_share``), its runs as the prefix: the
-        rows' counts and state copied, an own part of no slots."""
+    def over(cls, source: CompressedLayer, cache) -> SharedRunsLayer:
+        """A layer of ``cache`` going on from ``source`` (``can_share``), read as the prefix: the rows'
+        counts and state copied, an own part of no slots."""
         layer = cls.__new__(cls)
         fields = dict(source.copy_for(cache).__dict__)
         for name in ("slots", "bounds", "fresh", "_open", "_kept_open", "_fed"):
             fields.pop(name, None)
         layer.__dict__.update(fields)
         layer.prefix = {"keys": source.keys, "values": source.values}
-        layer.prefix_index, layer.prefix_bounds = source.token_index, list(source.bounds)
-        heads = source.kv_heads
+        layer.prefix_index = source.token_index
+        layer.prefix_plain = not isinstance(source, RaggedLayer)
+        layer.prefix_runs = [(g, 0, source.slots.width) for g in range(source.token_index.shape[1])] \
+            if layer.prefix_plain else [(0, start, stop) for start, stop in source.runs]
+        heads = len(layer.prefix_runs)
         layer._set(SlotTable({name: vectors.new_empty((1, heads, 0, vectors.shape[-1]))
                               for name, vectors in layer.prefix.items()},
                              source.token_index.new_empty((1, heads, 0))))
         return layer
 
-    kv_heads = property(lambda layer: len(layer.prefix_bounds) - 1)
-    runs = property(lambda layer: list(zip(layer.prefix_bounds, layer.prefix_bounds[1:])),
-                    doc="Each KV head's (start, stop) in the prefix.")
+    kv_heads = property(lambda layer: len(layer.prefix_runs))
     n_kept = property(lambda layer: (layer.prefix_index >= 0).sum() // layer.kv_heads
                       + (layer.slots.token_index[:, 0] >= 0).sum(-1),
                       doc="(B,) tokens read per row and KV head on average: the prefix's pairs over its KV heads, "
                           "and the own part's.")
 
+    def prefix_run(self, name: str, head: int) -> torch.Tensor:
+        """KV head ``head``'s run of the prefix's ``name`` ("keys", "values", "token_index"), (1, 1, n, ...)."""
+        axis, start, stop = self.prefix_runs[head]
+        tensor = self.prefix_index if name == "token_index" else self.prefix[name]
+        return tensor[:, axis:axis + 1, start:stop]
+
     def head_counts(self) -> torch.Tensor:
         """(B, G): the tokens each KV head reads, the prefix's run and the own part's."""
-        valid = self.prefix_index[0, 0] >= 0
-        prefix = torch.stack([valid[start:stop].sum() for start, stop in self.runs])
+        prefix = torch.stack([(self.prefix_run("token_index", g) >= 0).sum() for g in range(self.kv_heads)])
         return prefix + super().head_counts()
 
     def join(self, others: list[CompressedLayer]) -> None:
@@ -336,17 +344,20 @@ class SharedRunsLayer(CompressedLayer):
                       doc="Bytes of the own part's keys and values, and the prefix's once.")
 
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict]:
-        """A layer of runs' (``RaggedLayer``): each KV head's run of the prefix, for every row, then its
-        own part."""
-        batch = self.slots.token_index.shape[0]
-        pieces = []
-        for g, (start, stop) in enumerate(self.runs):
-            prefix = {name: vectors[:, :, start:stop].expand(batch, -1, -1, -1)
-                      for name, vectors in self.prefix.items()}
-            pieces += [SlotTable(prefix, self.prefix_index[:, :, start:stop].expand(batch, -1, -1)),
-                       self.slots.slots_between(0, self.slots.width, slice(g, g + 1))]
+        """The layer it reads, every row's own part after each KV head's run: a layer of runs'
+        (``RaggedLayer``) or, over a plain layer, a plain one's."""
+        batch, width = self.slots.token_index.shape[0], self.slots.width
+        heads = []
+        for g in range(self.kv_heads):
+            prefix = SlotTable({name: self.prefix_run(name, g).expand(batch, -1, -1, -1) for name in self.prefix},
+                               self.prefix_run("token_index", g).expand(batch, -1, -1))
+            heads.append(SlotTable.cat([prefix, self.slots.slots_between(0, width, slice(g, g + 1))]))
+        if self.prefix_plain:  # its heads side by side
+            return self._saved(SlotTable({name: torch.cat([head.vectors[name] for head in heads], 1)
+                                          for name in self.prefix},
+                                         torch.cat([head.token_index for head in heads], 1)))
         bounds = [0]
-        for (start, stop) in self.runs:
-            bounds.append(bounds[-1] + stop - start + self.slots.width)
-        tensors, meta = self._saved(SlotTable.cat(pieces))
+        for head in heads:
+            bounds.append(bounds[-1] + head.width)
+        tensors, meta = self._saved(SlotTable.cat(heads))
         return tensors, {**meta, "bounds": bounds}

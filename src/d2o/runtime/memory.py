@@ -247,7 +247,7 @@ def shared_plan(cache, rest_tokens: int, new_tokens: int, per_slot: list[int], p
     beside them) and its bookkeeping of the context's slots (of a plain layer's: a row on runs holds
     none, ``SharedRunsLayer``); the context's keys and values are not counted (they are the context's)."""
     own = _own_slots_per_token(cache) * (rest_tokens + new_tokens) + cache.evict_every
-    held = sum(own * slot + (layer.token_index.shape[2] * (slot - vector) if SharedPrefixLayer.can_share(layer) else 0)
+    held = sum(own * slot + (0 if SharedRunsLayer.can_share(layer) else layer.token_index.shape[2] * (slot - vector))
                for layer, slot, vector in zip(cache.layers, per_slot, per_vector))
     return KVPlan(held, held)
 
