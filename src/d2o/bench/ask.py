@@ -128,14 +128,14 @@ def bench_ask(model, tokenizer, methods: list[str], budget: Budget, length: int 
     """One row per method and way of keeping KV heads (``heads``: even, adaptive, for the methods
     that take it)."""
     text, asked, golds = document(tokenizer, length, questions)
+    dtype_bytes = next(model.parameters()).element_size()
     rows = []
     for method, way in [(method, way) for method in methods for way in heads
                         if way == "even" or takes_adaptive_heads(method)]:
         options = {} if way == "even" else {"heads": way}
         context = compress(model, tokenizer, text, method, budget, chat=True, **options)
         # Keys and values of one token in every layer (the model's dtype): what a row's own token holds.
-        token_bytes = sum(slot_bytes(model.config, next(model.parameters()).element_size(), context.method,
-                                     stock=True))
+        token_bytes = sum(slot_bytes(model.config, dtype_bytes, context.method, stock=True))
         ids = [context.question_ids(question) for question in asked]
         document_bytes = context.report.kv_bytes
         copied, shared = (_answer(context, ids, max_tokens, share) for share in (False, True))
@@ -143,7 +143,7 @@ def bench_ask(model, tokenizer, methods: list[str], budget: Budget, length: int 
         own_bytes = shared["own_tokens"] * token_bytes
         # As the server's gauge counts: keys, values and bookkeeping (the document's once, each own
         # token's at its slot's bytes).
-        slot = sum(slot_bytes(model.config, next(model.parameters()).element_size(), context.method))
+        slot = sum(slot_bytes(model.config, dtype_bytes, context.method))
         beyond_own = shared["peak_all"] - shared["own_tokens"] * slot
         rows.append({
             "method": method, "heads": way, "budget": str(budget), "document KV bytes": document_bytes,

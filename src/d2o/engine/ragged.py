@@ -49,6 +49,7 @@ class RaggedLayer(CompressedLayer):
     _kept_open = False  # the pass's opened layer stays for the step's eviction (``open_pass``)
     opened_kind = CompressedLayer  # what ``opened`` makes
     keeps_open = True  # whether a decode step's pass may hand its opened layer to the step's eviction
+    own_fields = ("bounds", "fresh", "_open", "_kept_open", "_fed")  # what a plain layer of its slots lacks
 
     attends_opened = property(lambda layer: layer.observing,
                               doc="Whether a pass runs on the layer opened (``open_pass``), not on its runs.")
@@ -115,7 +116,7 @@ class RaggedLayer(CompressedLayer):
 
         opened = self.opened_kind.__new__(self.opened_kind)
         opened.__dict__.update({name: value for name, value in self.__dict__.items()
-                                if name not in ("bounds", "fresh", "_open", "_fed")})
+                                if name not in self.own_fields})
         opened._set(self.slots.map(spread))
         opened.owns_storage, opened.vacancies, opened.written, opened.pending = True, None, None, 0
         opened._open = None  # (a quantized layer's decoded copy)

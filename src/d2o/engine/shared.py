@@ -21,14 +21,15 @@ see one layer. What differs per row is bookkeeping only:
 
 The prefix's bytes count once (``nbytes``); a saved layer is written whole (a plain layer's form).
 
-A context whose KV heads keep counts of their own (a ``RaggedLayer`` of runs) is read in place by
-``SharedRunsLayer`` instead, when its method evicts nothing once the prompt is compressed: no row
-ever evicts from, merges into or scores the prefix, so the rows hold no bookkeeping of it at all.
+When the method evicts nothing once the prompt is compressed, rows read a context's layer (plain,
+or a ``RaggedLayer`` of runs: a count per KV head) with ``SharedRunsLayer`` instead: no row ever
+evicts from, merges into or scores the prefix, so the rows hold no bookkeeping of it at all.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
+from itertools import accumulate
 
 import torch
 
@@ -56,7 +57,24 @@ def _ordered(where: torch.Tensor, values: torch.Tensor, end: int, count: int) ->
     return order, order < end
 
 
-class SharedPrefixLayer(CompressedLayer):
+class ReadsPrefix(CompressedLayer):
+    """A layer whose rows read ``prefix`` (keys and values, by name) in place beside a part of their
+    own: what rows of one prefix share."""
+
+    prefix: dict[str, torch.Tensor]
+
+    def join(self, others: list[CompressedLayer]) -> None:
+        for other in others:
+            if type(other) is not type(self) or any(other.prefix[name] is not self.prefix[name] for name in VECTORS):
+                raise D2OError("rows sharing a prefix join only rows of the same prefix")
+        super().join(others)
+
+    nbytes = property(lambda layer: 0 if layer.slots is None else
+                      layer.slots.vector_bytes + sum(vectors.nbytes for vectors in layer.prefix.values()),
+                      doc="Bytes of the own part's keys and values, and the prefix's once.")
+
+
+class SharedPrefixLayer(ReadsPrefix):
     """A ``CompressedLayer`` whose first ``prefix_width`` slots read ``prefix`` (see the module)."""
 
     @staticmethod
@@ -249,21 +267,10 @@ class SharedPrefixLayer(CompressedLayer):
         return moved_to.scatter_(2, torch.where(valid, order, width), new_slots)[:, :, :width]
 
     # -- rows, copies and saving -------------------------------------------------------------------
-    def join(self, others: list[CompressedLayer]) -> None:
-        for other in others:
-            if not isinstance(other, SharedPrefixLayer) or any(
-                    other.prefix[name] is not self.prefix[name] for name in VECTORS):
-                raise D2OError("rows sharing a prefix join only rows of the same prefix")
-        super().join(others)
-
     def copy_for(self, cache) -> SharedPrefixLayer:
         new = super().copy_for(cache)
         new._open = None
         return new
-
-    nbytes = property(lambda layer: 0 if layer.slots is None else
-                      layer.slots.vector_bytes + sum(vectors.nbytes for vectors in layer.prefix.values()),
-                      doc="Bytes of the own part's keys and values, and the prefix's once.")
 
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict]:
         """A plain layer's: the prefix written out for every row (loaded, it is a ``CompressedLayer``)."""
@@ -273,7 +280,7 @@ class SharedPrefixLayer(CompressedLayer):
         return tensors, meta
 
 
-class SharedRunsLayer(CompressedLayer):
+class SharedRunsLayer(ReadsPrefix):
     """Rows reading a context's layer in place, for a method that evicts nothing once the prompt is
     compressed (``can_share``): the layer's keys, values and token indices are one read-only prefix,
     each KV head's part of it a run (``prefix_runs``: its head axis and slots; a ``RaggedLayer``'s
@@ -302,7 +309,7 @@ class SharedRunsLayer(CompressedLayer):
         counts and state copied, an own part of no slots."""
         layer = cls.__new__(cls)
         fields = dict(source.copy_for(cache).__dict__)
-        for name in ("slots", "bounds", "fresh", "_open", "_kept_open", "_fed"):
+        for name in ("slots", *RaggedLayer.own_fields):
             fields.pop(name, None)
         layer.__dict__.update(fields)
         layer.prefix = {"keys": source.keys, "values": source.values}
@@ -333,16 +340,6 @@ class SharedRunsLayer(CompressedLayer):
         prefix = torch.stack([(self.prefix_run("token_index", g) >= 0).sum() for g in range(self.kv_heads)])
         return prefix + super().head_counts()
 
-    def join(self, others: list[CompressedLayer]) -> None:
-        for other in others:
-            if not isinstance(other, SharedRunsLayer) or other.prefix["keys"] is not self.prefix["keys"]:
-                raise D2OError("rows sharing a prefix join only rows of the same prefix")
-        super().join(others)
-
-    nbytes = property(lambda layer: 0 if layer.slots is None else
-                      layer.slots.vector_bytes + sum(vectors.nbytes for vectors in layer.prefix.values()),
-                      doc="Bytes of the own part's keys and values, and the prefix's once.")
-
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict]:
         """The layer it reads, every row's own part after each KV head's run: a layer of runs'
         (``RaggedLayer``) or, over a plain layer, a plain one's."""
@@ -356,8 +353,5 @@ class SharedRunsLayer(CompressedLayer):
             return self._saved(SlotTable({name: torch.cat([head.vectors[name] for head in heads], 1)
                                           for name in self.prefix},
                                          torch.cat([head.token_index for head in heads], 1)))
-        bounds = [0]
-        for head in heads:
-            bounds.append(bounds[-1] + head.width)
         tensors, meta = self._saved(SlotTable.cat(heads))
-        return tensors, {**meta, "bounds": bounds}
+        return tensors, {**meta, "bounds": [0, *accumulate(head.width for head in heads)]}

@@ -311,8 +311,7 @@ class Engine:
             return self._settle(job, APIError(500, f"prefill failed: {error}", kind="server_error"), "failed")
         # Held now: the job's cache beside the lanes (its prefix counted once); its prefill held at
         # most its plan's prefill bytes, which the peak counts.
-        self._record_kv(extra=batch.cache.nbytes - (shared_prefix(batch.cache) or (0, 0))[1],
-                        transient=job.plan.prefill_bytes)
+        self._record_kv(extra=_own_bytes(batch.cache), transient=job.plan.prefill_bytes)
         per_slot = slot_bytes(self.model.config, self.dtype_bytes, job.method, kv_bits=self.kv_bits)
         per_row = row_bytes(self.model.config, self.dtype_bytes, job.method, self.kv_bits)
         per_vector = slot_bytes(self.model.config, self.dtype_bytes, job.method, stock=True)
@@ -450,7 +449,7 @@ class Engine:
         ``transient``: bytes in place of ``extra`` a moment ago (its prefill), for the peak."""
         with self._lock:
             lanes = [lane.batch.cache for lane in self._lanes if lane.batch.sequences]
-            own = sum(cache.nbytes - (shared_prefix(cache) or (0, 0))[1] for cache in lanes)
+            own = sum(map(_own_bytes, lanes))
             prefixes = self._prefix_bytes(self._admitted)  # an admitted job holds its context
             self.stats.kv(own + extra + prefixes, own + transient + prefixes)
 
@@ -496,6 +495,11 @@ class Engine:
             mine[labels(key)] = fit(self.cap, self._plan(method, budget, *shape[:2]))
             full[labels(key)] = fit(self.cap, plan(self.model.config, get_method("full"), Budget.parse(1.0), *shape))
         return mine, full
+
+
+def _own_bytes(cache) -> int:
+    """The bytes ``cache`` holds but a prefix it reads in place (counted once, ``_prefix_bytes``)."""
+    return cache.nbytes - (shared_prefix(cache) or (0, 0))[1]
 
 
 def labels(key: tuple) -> tuple:
