@@ -1,5 +1,7 @@
 """The engine on tiny random-weight models of every supported architecture."""
 
+import threading
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -347,6 +349,47 @@ def test_decode_steps_take_surprisal_from_the_logits_the_model_computed(monkeypa
     counter.remove()
     assert per_step == [1, 1, 1, 2, 1, 1]
     assert torch.allclose(seen[0][:, 1:].double(), reference[:, : ids.shape[1] - 1], atol=1e-5)
+
+
+def test_two_threads_passes_each_hand_their_own_cache_its_logits(monkeypatch):
+    """A server prefills on one thread while another decodes: a pass of the second thread that runs
+    whole between the first's decoder and its output head leaves the first pass its own logits (each
+    cache is handed its pass's logits once, on its own thread)."""
+    model = tiny_model("llama")
+    first, second = make_cache(model, "sirllm", 1.0), make_cache(model, "sirllm", 1.0)
+    handed = []
+    monkeypatch.setattr(type(first), "observe_logits",
+                        lambda cache, hidden, logits: handed.append((cache, threading.current_thread().name)))
+    inside, done = threading.Event(), threading.Event()
+
+    calls = []
+
+    def hold_first(module, args):
+        # The first thread's model's output head (its second call: the surprisal of the prompt's tokens
+        # calls it first) waits for the second thread's whole pass.
+        if threading.current_thread().name == "first":
+            calls.append(1)
+            if len(calls) == 2:
+                inside.set()
+                assert done.wait(60)
+
+    hook = model.lm_head.register_forward_pre_hook(hold_first)
+
+    def second_pass():
+        assert inside.wait(60)
+        forward(model, random_ids(12, seed=3), second)
+        done.set()
+
+    threads = [threading.Thread(target=lambda: forward(model, random_ids(20), first), name="first"),
+               threading.Thread(target=second_pass, name="second")]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+    finally:
+        hook.remove()
+    assert [(cache is first, name) for cache, name in handed] == [(False, "second"), (True, "first")]
 
 
 def test_a_bare_decoder_compresses_and_refuses_surprisal_in_one_line():

@@ -356,7 +356,12 @@ def _install_hooks(decoder, lm_head) -> tuple:
     and compresses: after the final norm, so that policies may score by what the model predicted
     (surprisal); the next token's needs this pass's last logits, which the output head's hook hands
     over as the model computes them."""
-    awaiting_logits: list[CompressedCache] = []  # the cache of the pass whose logits come next
+    def awaiting_logits() -> list[CompressedCache]:
+        """The cache of this model's pass whose logits come next, per thread as the bound caches are:
+        two threads' passes (a server's prefill beside its decode steps) must not take each other's."""
+        if not hasattr(_passes, "awaiting_logits"):
+            _passes.awaiting_logits = {}
+        return _passes.awaiting_logits.setdefault(id(decoder), [])
 
     def bind(module, args, kwargs):
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
@@ -371,7 +376,7 @@ def _install_hooks(decoder, lm_head) -> tuple:
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         if isinstance(cache, CompressedCache) and cache.prober.probing is not None:
             return  # a probe pass, run from the cache's own compression: observed, never kept
-        awaiting_logits.clear()
+        awaiting_logits().clear()
         if isinstance(cache, CompressedCache):
             input_ids = kwargs.get("input_ids", args[0] if args else None)
             if cache.policy.probes and cache.schedule.prefilling:
@@ -386,12 +391,13 @@ def _install_hooks(decoder, lm_head) -> tuple:
                     raise D2OError(f"{cache.policy.name} scores tokens by surprisal: it needs a model with its output "
                                    f"head (a ...ForCausalLM), not the bare decoder")
                 cache.observe_tokens(input_ids, output.last_hidden_state, lm_head)
-                awaiting_logits.append(cache)
+                awaiting_logits().append(cache)
             cache.schedule.end_of_forward()
 
     def logits(module, args, output):
-        if awaiting_logits:
-            awaiting_logits.pop().observe_logits(args[0][:, -1], output[:, -1])
+        awaiting = awaiting_logits()
+        if awaiting:
+            awaiting.pop().observe_logits(args[0][:, -1], output[:, -1])
 
     handles = (decoder.register_forward_pre_hook(bind, with_kwargs=True),
                decoder.register_forward_hook(end_of_decoder, with_kwargs=True),
