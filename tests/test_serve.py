@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
+import torch
 
 from d2o.budget import Budget
 from d2o.cli import main
@@ -297,6 +298,91 @@ def test_a_request_cancelled_part_way_through_its_prefill_in_chunks_is_dropped_t
         after = wait_for(url, lambda m: m.get(gone, 0) == 1)
     assert after[gone] == 1 and after["d2o_kv_bytes"] == 0 and after["d2o_kv_bytes_reserved"] == 0
     assert fed[0] and not fed[-1] and len(fed) < 4000 // 16  # cut short: fewer rounds than its chunks
+
+
+def test_a_server_prefilling_on_a_thread_of_its_own_steps_the_running_requests_during_a_whole_prefill(
+        real_model, monkeypatch):
+    """With --prefill-thread a 1,500-token prompt is prefilled whole beside a stream: the stream
+    steps while the prefill runs (in the rounds it would wait for all of it), on half the cores
+    then, and both answer as the library does."""
+    model, tokenizer = real_model
+    during, threads = [], []
+    original = Engine._step
+
+    def step(engine, lane):
+        during.append(engine._prefilling is not None)
+        threads.append(torch.get_num_threads())
+        original(engine, lane)
+
+    monkeypatch.setattr(Engine, "_step", step)
+    prompt = essay(tokenizer, 1500)
+    with serving(model, tokenizer, kv_memory=parse_bytes("1GB"), prefill_thread=True) as (url, engine):
+        stream = client(url).chat.completions.create(model="smollm2", messages=[{"role": "user", "content": STORY}],
+                                                     max_tokens=48, temperature=0, stream=True,
+                                                     extra_body={"kv_method": "h2o"})
+        parts = [next(stream).choices[0].delta.content or ""]
+        with ThreadPoolExecutor(1) as pool:
+            long = pool.submit(client(url).completions.create, model="smollm2", prompt=prompt, max_tokens=4,
+                               temperature=0, extra_body={"kv_method": "d2o-novelty"})
+            parts += [chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices]
+            answer = long.result()
+        cores = engine._cores
+    assert sum(during) >= 5
+    if cores > 1:
+        assert {n for n, prefilling in zip(threads, during) if prefilling} == {cores // 2}
+    assert answer.choices[0].text == generate(model, tokenizer, prompt, "d2o-novelty", 0.2, max_new_tokens=4).texts[0]
+    assert "".join(parts) == generate(model, tokenizer, STORY, "h2o", 0.2, max_new_tokens=48, chat=True).texts[0]
+
+
+def test_a_request_cancelled_during_its_prefill_on_the_prefill_thread_is_dropped_there(real_model, monkeypatch):
+    """Its client gives up while the prefill thread feeds its prompt 16 tokens at a time: the thread
+    stops at the next chunk, and nothing stays held or reserved."""
+    model, tokenizer = real_model
+    chunks = []
+    original = Engine._prefill_next
+
+    def prefill_next(engine, job):
+        chunks.append(1)
+        return original(engine, job)
+
+    monkeypatch.setattr(Engine, "_prefill_next", prefill_next)
+    gone = 'd2o_requests_total{budget="0.2",method="d2o",outcome="cancelled"}'
+    with serving(model, tokenizer, kv_memory=parse_bytes("1GB"), prefill_chunk=16, prefill_thread=True) as (url, _):
+        request = {"model": "smollm2", "prompt": essay(tokenizer, 4000), "max_tokens": 4, "temperature": 0}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "/v1/completions", json=request, timeout=1.0)
+        after = wait_for(url, lambda m: m.get(gone, 0) == 1)
+    assert after[gone] == 1 and after["d2o_kv_bytes"] == 0 and after["d2o_kv_bytes_reserved"] == 0
+    assert 1 < len(chunks) < 4000 // 16  # cut short
+
+
+def test_concurrent_requests_prefilled_on_the_prefill_thread_each_get_their_own_answer(real_model):
+    """12 requests of three methods and mixed lengths under a cap that makes some wait: prefilled on
+    the prefill thread, joined to lanes by the rounds, each answers as the library does, and the
+    memory is back to nothing at the end."""
+    model, tokenizer = real_model
+    prompts = [essay(tokenizer, n, skip=40 * i) for i, n in enumerate([300, 20, 60, 200])]
+    methods = [("h2o", "0.5"), ("d2o-novelty", "0.3"), ("kvzip", "0.5")]
+    expected = {(p, m): generate(model, tokenizer, p, m, b, max_new_tokens=6, min_tokens=16).texts[0]
+                for p in prompts for m, b in methods}
+    cap = 4 * plan(model.config, get_method("full"), Budget.parse(1.0), 300, 6).peak_bytes
+
+    async def ask(api, prompt, method, budget):
+        reply = await api.completions.create(model="smollm2", prompt=prompt, max_tokens=6, temperature=0,
+                                             extra_body={"kv_method": method, "kv_budget": budget})
+        return prompt, method, reply.choices[0].text
+
+    async def load(url):
+        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300) as api:
+            return await asyncio.gather(*[ask(api, p, m, b) for p in prompts for m, b in methods])
+
+    with serving(model, tokenizer, kv_memory=cap, min_tokens=16, prefill_thread=True) as (url, _):
+        replies = asyncio.run(load(url))
+        metrics = wait_for(url, lambda m: m["d2o_kv_bytes"] == 0)
+    assert {(p, m): text for p, m, text in replies} == expected
+    assert metrics["d2o_kv_bytes"] == 0 and metrics["d2o_kv_bytes_reserved"] == 0
+    assert 0 < metrics["d2o_kv_bytes_peak"] <= cap
+    assert max(v for k, v in metrics.items() if k.startswith("d2o_requests_running_peak")) >= 2
 
 
 def test_a_cap_that_holds_not_one_request_is_refused_at_start(real_model):
@@ -761,15 +847,17 @@ def test_a_port_already_taken_is_one_line_before_the_model_loads(monkeypatch, ca
     assert done.value.code == 2 and f"cannot listen on 127.0.0.1:{port}" in err and len(err.strip().splitlines()) == 1
 
 
-def test_bench_serve_mixed_times_the_short_streams_gaps_beside_servers_prefilling_whole_and_in_chunks(real_model):
+def test_bench_serve_mixed_times_the_short_streams_gaps_prefilling_whole_in_chunks_and_on_a_thread(real_model):
     from d2o.bench.serve import bench_serve, workload
 
     model, tokenizer = real_model
     kinds = [conversation.long for conversation in workload(tokenizer, "mixed", 8, 300, 1, 1)]
     assert kinds == [True, False, False, False, True, False, False, False]  # taken from the end: every fourth
     rows = bench_serve(model, tokenizer, [("d2o-novelty", "0.2")], parse_bytes("256MB"), clients=3, requests=8,
-                       prompt_tokens=300, max_tokens=6, kind="mixed", prefill_chunks=(None, 64))
-    assert [(row["prefill_chunk"], row["answered"]) for row in rows] == [("whole", 8), (64, 8)]
+                       prompt_tokens=300, max_tokens=6, kind="mixed", prefill_chunks=(None, 64),
+                       prefill_threads=(False, True))
+    assert [(row["prefill_chunk"], row["prefill_thread"], row["answered"]) for row in rows] == [
+        ("whole", "no", 8), ("whole", "yes", 8), (64, "no", 8), (64, "yes", 8)]
     assert all(0 < row["itl_p50_ms"] <= row["itl_p99_ms"] for row in rows)
 
 

@@ -235,6 +235,9 @@ def serve(
     evict_every: int = typer.Option(EVICT_EVERY, help=EVICT_HELP),
     kv_bits: Optional[str] = typer.Option(None, help=KV_BITS_HELP),
     prefill_chunk: Optional[int] = typer.Option(None, help=CHUNK_HELP + " Admission counts that peak."),
+    prefill_thread: bool = typer.Option(False, "--prefill-thread", help="Prefill prompts on a thread of their own "
+                                        "beside the running requests' decode steps (each half the cores while both "
+                                        "run), so that a long prompt does not stop their streams."),
     option: list[str] = typer.Option([], "--option", help="A method option METHOD.NAME=VALUE (repeatable), for "
                                      "every request of that method (kvzip.heads=adaptive)."),
 ):
@@ -245,7 +248,7 @@ def serve(
                          kv_memory=parse_bytes(kv_memory), max_queue=max_queue, max_tokens=max_tokens, dtype=dtype,
                          attention=attention, device_map=device_map,
                          prefix_cache_memory=memory_or_none(prefix_cache_memory), evict_every=evict_every,
-                         kv_bits=check_kv_bits(kv_bits), prefill_chunk=prefill_chunk,
+                         kv_bits=check_kv_bits(kv_bits), prefill_chunk=prefill_chunk, prefill_thread=prefill_thread,
                          method_options=parse_method_options(option))
     if replicas < 0:
         raise D2OError(f"replicas must be >= 0, got {replicas}")
@@ -678,6 +681,9 @@ def bench_serve(
                                        "in-place, or each holds a copy (copied); in-place,copied runs both."),
     heads: str = typer.Option("even", help="Comma-separated: even, adaptive (each KV head its own count: the methods "
                               "that take it, served with --option METHOD.heads=adaptive)."),
+    prefill_thread: str = typer.Option("off", help="Comma-separated: off (a round prefills, then decodes), on (d2o "
+                                       "serve --prefill-thread: prompts prefilled on a thread of their own); off,on "
+                                       "runs both."),
     out: Optional[Path] = typer.Option(None, help="Write the rows as JSON to this file."),
 ):
     """Requests/s, tokens/s, latency and time to first token of a server per method, same KV memory."""
@@ -703,6 +709,9 @@ def bench_serve(
         raise D2OError("no methods given")
     ways = distinct(tuple(split_list(heads)), "heads values")
     check_heads(ways)
+    threads = distinct(split_list(prefill_thread), "prefill-thread values")
+    if not threads or not set(threads) <= {"off", "on"}:
+        raise D2OError(f"--prefill-thread {prefill_thread!r}: off, on, or both (comma-separated)")
     if out is not None:
         check_out(out, folder=False)
 
@@ -726,7 +735,7 @@ def bench_serve(
                            f"under {name}{f' in chunks of {chunk}' if chunk else ''} (it needs {need:,} bytes)")
     rows = run(net, tokenizer, [(name, budget) for name in names], cap, clients, requests, prompt_tokens, max_tokens,
                min_tokens, workload, documents, questions, prefix_sizes, evict_every, chunks,
-               tuple(value == "in-place" for value in sharing), ways)
+               tuple(value == "in-place" for value in sharing), ways, tuple(value == "on" for value in threads))
     print(markdown(rows))
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)

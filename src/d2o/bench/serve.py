@@ -157,26 +157,27 @@ def bench_serve(model, tokenizer, methods: list[tuple[str, str]], kv_memory: int
                 min_tokens: int | None = None, kind: str = "prompts", documents: int = 4, questions: int = 8,
                 prefix_cache: tuple[int, ...] = (0,), evict_every: int = 1,
                 prefill_chunks: tuple[int | None, ...] = (None,), sharing: tuple[bool, ...] = (True,),
-                heads: tuple[str, ...] = ("even",)) -> list[dict]:
-    """One row per (method, budget, heads, prefix cache bytes, prefill chunk, prefix sharing):
+                heads: tuple[str, ...] = ("even",), prefill_threads: tuple[bool, ...] = (False,)) -> list[dict]:
+    """One row per (method, budget, heads, prefix cache bytes, prefill chunk, prefill thread, prefix sharing):
     throughput, latency, memory and (documents, chat) the answers' score under ``kv_memory``; the
     servers evict in batches of ``evict_every`` steps, serve each method that takes it with each of
     ``heads`` (its ``heads`` option), prefill whole (None) or in chunks of each of
-    ``prefill_chunks``, and with a prefix cache let requests read a kept document in place (True)
-    or copy it (False), each of ``sharing``."""
+    ``prefill_chunks``, in the rounds or on a thread of their own (each of ``prefill_threads``), and
+    with a prefix cache let requests read a kept document in place (True) or copy it (False), each
+    of ``sharing``."""
     conversations = workload(tokenizer, kind, requests, prompt_tokens, documents, questions)
     generate(model, tokenizer, "Hello", "full", 1.0, max_new_tokens=2)  # warm up, outside the timings
     rows = []
     for method, budget in methods:
         ways = [way for way in heads if way == "even" or takes_adaptive_heads(method)]
-        runs = [(way, size, chunk, shared) for way in ways for size in prefix_cache for chunk in prefill_chunks
-                for shared in (sharing if size else (True,))]
-        for way, prefix_bytes, chunk, shared in runs:
+        runs = [(way, size, chunk, apart, shared) for way in ways for size in prefix_cache for chunk in prefill_chunks
+                for apart in prefill_threads for shared in (sharing if size else (True,))]
+        for way, prefix_bytes, chunk, apart, shared in runs:
             options = {} if way == "even" else {method: {"heads": way}}  # (the full cache takes no options)
             config = ServeConfig(method=method, budget=budget, min_tokens=min_tokens, kv_memory=kv_memory,
                                  max_queue=max(requests, len(conversations) * questions),
                                  prefix_cache_memory=prefix_bytes, evict_every=evict_every, prefill_chunk=chunk,
-                                 share_prefixes=shared, method_options=options)
+                                 prefill_thread=apart, share_prefixes=shared, method_options=options)
             engine = Engine(model, tokenizer, config)
             queue = [replace(c, method=method, budget=budget) for c in conversations]
             try:
@@ -186,12 +187,13 @@ def bench_serve(model, tokenizer, methods: list[tuple[str, str]], kv_memory: int
             finally:
                 engine.close()
             rows.append(row(method, budget, prefix_bytes, chunk, kv_memory, clients, records, seconds, metrics,
-                            shared, way if method != "full" else "-"))
+                            shared, way if method != "full" else "-", apart))
     return rows
 
 
 def row(method: str, budget: str, prefix_bytes: int, chunk: int | None, kv_memory: int, clients: int,
-        records: list[dict], seconds: float, metrics: str, shared: bool = True, heads: str = "even") -> dict:
+        records: list[dict], seconds: float, metrics: str, shared: bool = True, heads: str = "even",
+        prefill_thread: bool = False) -> dict:
     done = [r for r in records if r["status"] == 200]
     latency, ttft = [r["latency"] for r in done], [r["ttft"] for r in done]
     follow_ups = [r["ttft"] for r in done if r["follow_up"]]
@@ -202,7 +204,7 @@ def row(method: str, budget: str, prefix_bytes: int, chunk: int | None, kv_memor
         "method": method, "budget": budget if method != "full" else "1", "heads": heads,
         "prefix_cache_mb": round(prefix_bytes / 1e6),
         "prefix_sharing": ("in place" if shared else "copied") if prefix_bytes else "-",
-        "prefill_chunk": chunk or "whole",
+        "prefill_chunk": chunk or "whole", "prefill_thread": "yes" if prefill_thread else "no",
         "kv_memory_mb": round(kv_memory / 1e6), "clients": clients,
         "requests": len(records), "answered": len(done), "fit_at_once": int(_metric(metrics, "d2o_kv_fit_requests{")),
         "peak_running": int(_metric(metrics, "d2o_requests_running_peak")),

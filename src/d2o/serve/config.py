@@ -28,6 +28,9 @@ class ServeConfig:
     evict_every: int = EVICT_EVERY  # evict in batches of decode steps (CompressedCache's)
     kv_bits: int | None = None  # keys and values stored at 8, 4 or 2 bits (None: the model's dtype)
     prefill_chunk: int | None = None  # prompts prefilled this many tokens at a time (None: whole)
+    # Prompts prefilled on a thread of their own beside the decode steps, each taking half the cores
+    # while both run (False: a round runs a prefill chunk, then the decode steps).
+    prefill_thread: bool = False
     # Requests on a kept document read its keys and values in place (False: each copies them, as a
     # server sharing only uncompressed prefixes would; ``d2o bench serve --prefix-sharing`` compares).
     share_prefixes: bool = True

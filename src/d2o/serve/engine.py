@@ -31,6 +31,8 @@ import time
 import uuid
 from collections import deque
 
+import torch
+
 from d2o.budget import Budget
 from d2o.engine.cache import CompressedCache
 from d2o.errors import D2OError
@@ -76,8 +78,25 @@ class Engine:
         self._lanes: list[Lane] = []
         self._bounds: dict[int, int] = {}  # id(lane) -> its reserved bytes
         self._closing = False
-        self._thread = threading.Thread(target=self._run, name="d2o-engine", daemon=True)
-        self._thread.start()
+        # With prefill_thread: prompts are prefilled on a thread of their own, their batches handed to
+        # the rounds here to join a lane (``_ready``), and while both run each takes half the cores.
+        self._ready: list[tuple[Job, Batch]] = []
+        self._prefilling: Job | None = None  # the job the prefill thread is prefilling
+        self._cores = torch.get_num_threads()
+        self._threads = [threading.Thread(target=self._run, name="d2o-engine", daemon=True)]
+        self._hooks = []
+        if config.prefill_thread:
+            prefills = threading.Thread(target=self._run_prefills, name="d2o-prefill", daemon=True)
+            self._threads.append(prefills)
+
+            def share_cores(module, args):  # a prefill takes every core again once nothing decodes beside it
+                if threading.current_thread() is prefills:
+                    torch.set_num_threads(self._share(bool(self._lanes)))
+
+            self._hooks = [layer.register_forward_pre_hook(share_cores)
+                           for layer in getattr(model.get_decoder(), "layers", ())]
+        for thread in self._threads:
+            thread.start()
 
     @classmethod
     def load(cls, config: ServeConfig) -> Engine:
@@ -182,19 +201,22 @@ class Engine:
                 raise APIError(503, f"the server is at its KV memory cap ({self.cap:,} bytes) and its queue is "
                                f"full ({self.config.max_queue} waiting); retry later", None, "overloaded",
                                "server_error", {"Retry-After": str(RETRY_AFTER)})
-            self._lock.notify()
+            self._lock.notify_all()
 
     def cancel(self, job: Job) -> None:
         """The client has gone: its row leaves its batch (or it leaves the queue) at the next round."""
         with self._lock:
             job.cancelled = True
-            self._lock.notify()
+            self._lock.notify_all()
 
     def close(self) -> None:
         with self._lock:
             self._closing = True
-            self._lock.notify()
-        self._thread.join(timeout=30)
+            self._lock.notify_all()
+        for thread in self._threads:
+            thread.join(timeout=30)
+        for hook in self._hooks:
+            hook.remove()
 
     # -- admission (under the lock) ----------------------------------------------------------------
     def _reserved(self, admitted) -> int:
@@ -238,6 +260,7 @@ class Engine:
 
     def _admit(self, job: Job) -> None:
         self._admitted.append(job)
+        self._lock.notify_all()  # the prefill thread, if there is one, takes it
         self._methods.setdefault(job.key, (job.method, job.budget))
         self.stats.admitted(job.key, len(job.ids), job.sequence.max_new_tokens)
 
@@ -263,18 +286,29 @@ class Engine:
 
     # -- the engine's thread ------------------------------------------------------------------------
     def _run(self) -> None:
+        """The rounds: the batches prefilled since join lanes (or, without a prefill thread, the next
+        chunk of a prefill runs here), then every lane steps once."""
+        apart = self.config.prefill_thread
         while True:
             with self._lock:
                 self._promote()
-                while not (self._closing or self._admitted or self._lanes):
+                while not (self._closing or self._lanes or self._ready or (self._admitted and not apart)):
                     self._lock.wait()
                     self._promote()
                 if self._closing:
                     break
-                job = self._admitted[0] if self._admitted else None
+                job = self._admitted[0] if self._admitted and not apart else None
+                ready = list(self._ready)
+                sharing = self._prefilling is not None
             try:
+                for prefilled, batch in ready:
+                    # Counted here, where no lane is mid-step: the prefill held at most its plan's
+                    # prefill bytes beside the lanes, which the peak counts.
+                    self._record_kv(transient=prefilled.plan.prefill_bytes - _own_bytes(batch.cache))
+                    self._place(prefilled, batch)
                 if job is not None:
                     self._prefill(job)
+                torch.set_num_threads(self._share(sharing))
                 for lane in list(self._lanes):
                     self._step(lane)
             except Exception as error:  # noqa: BLE001 - a bug: fail what is in flight, keep serving
@@ -282,9 +316,53 @@ class Engine:
         for job in [*self._waiting, *self._admitted, *(j for lane in self._lanes for j in lane.rows())]:
             job.emit("error", APIError(503, "the server is shutting down", None, "shutting_down", "server_error"))
 
+    def _share(self, sharing: bool) -> int:
+        """The threads a pass takes: every core, or half of them while the other thread runs passes too
+        (two passes each on every core slow each other down)."""
+        return max(1, self._cores // 2) if sharing else self._cores
+
+    def _run_prefills(self) -> None:
+        """The prefill thread: each admitted request's prompt, every chunk in turn, beside the rounds;
+        its batch then goes to the rounds to join a lane (``_ready``)."""
+        while True:
+            with self._lock:
+                while not (self._closing or any(job.prefilled is None for job in self._admitted)):
+                    self._lock.wait()
+                if self._closing:
+                    break
+                job = self._prefilling = next(job for job in self._admitted if job.prefilled is None)
+            batch = None
+            try:
+                while batch is None:
+                    with self._lock:
+                        if job not in self._admitted:  # cancelled, or failed
+                            break
+                    batch = self._prefill_next(job)
+            except Exception as error:  # noqa: BLE001 - the server keeps serving the others
+                job.prefilling = None
+                self._settle(job, APIError(500, f"prefill failed: {error!r}", kind="server_error"), "failed")
+            with self._lock:
+                self._prefilling = None
+                if batch is not None and job in self._admitted:  # (not failed meanwhile by ``_fail_all``)
+                    job.prefilled = batch
+                    self._ready.append((job, batch))
+                self._lock.notify_all()
+
     def _prefill(self, job: Job) -> None:
-        """The next chunk of the job's prefill (all of it, unless the server prefills in chunks); once
-        its prompt is in, the job joins a lane."""
+        """The next chunk of the job's prefill (all of it, unless the server prefills in chunks), in a
+        round; once its prompt is in, the job joins a lane."""
+        batch = self._prefill_next(job)
+        if batch is not None:
+            # Held now: the job's cache beside the lanes (its prefix counted once); its prefill held at
+            # most its plan's prefill bytes, which the peak counts.
+            own = _own_bytes(batch.cache)
+            self._record_kv(extra=own, transient=job.plan.prefill_bytes - own)
+            self._place(job, batch)
+
+    def _prefill_next(self, job: Job) -> Batch | None:
+        """The next chunk of the job's prefill (all of it, unless the server prefills in chunks): its
+        batch once its prompt is in; None while chunks are to come, or when the job has left
+        (cancelled, or failed with its error)."""
         if job.cancelled:
             job.prefilling = None  # a prefill cut short: its cache goes at once
             return self._settle(job, None, "cancelled")
@@ -309,9 +387,10 @@ class Engine:
         except Exception as error:  # noqa: BLE001 - the server keeps serving the others
             job.prefilling = None
             return self._settle(job, APIError(500, f"prefill failed: {error}", kind="server_error"), "failed")
-        # Held now: the job's cache beside the lanes (its prefix counted once); its prefill held at
-        # most its plan's prefill bytes, which the peak counts.
-        self._record_kv(extra=_own_bytes(batch.cache), transient=job.plan.prefill_bytes)
+        return batch
+
+    def _place(self, job: Job, batch: Batch) -> None:
+        """The prefilled job joins a lane it fits beside, or starts one."""
         per_slot = slot_bytes(self.model.config, self.dtype_bytes, job.method, kv_bits=self.kv_bits)
         per_row = row_bytes(self.model.config, self.dtype_bytes, job.method, self.kv_bits)
         per_vector = slot_bytes(self.model.config, self.dtype_bytes, job.method, stock=True)
@@ -328,6 +407,7 @@ class Engine:
                 self._lanes.append(lane)
             self._bounds[id(lane)] = lane.bound()
             self._admitted.remove(job)
+            self._ready = [entry for entry in self._ready if entry[1] is not batch]
             running = sum(len(other.jobs) for other in self._lanes if other.key == job.key)
             self.stats.running_peak[job.key] = max(self.stats.running_peak[job.key], running)
         self._record_kv()
@@ -370,6 +450,7 @@ class Engine:
         with self._lock:
             jobs = [*self._admitted, *(job for lane in self._lanes for job in lane.jobs.values())]
             self._admitted.clear()
+            self._ready.clear()
             self._lanes.clear()
             self._bounds.clear()
         for job in jobs:
@@ -445,13 +526,15 @@ class Engine:
             job.emit("done", result)
 
     def _record_kv(self, extra: int = 0, transient: int = 0) -> None:
-        """The KV gauge: the lanes' bytes, ``extra`` (a cache not in a lane yet) and the prefixes once;
-        ``transient``: bytes in place of ``extra`` a moment ago (its prefill), for the peak."""
+        """The KV gauge: the lanes' bytes and the prefilled batches' waiting to join one, ``extra`` (a
+        cache not in either yet) and the prefixes once; ``transient``: bytes held beside those a moment
+        ago (a prefill's, beyond what its cache holds now), for the peak."""
         with self._lock:
-            lanes = [lane.batch.cache for lane in self._lanes if lane.batch.sequences]
-            own = sum(map(_own_bytes, lanes))
-            prefixes = self._prefix_bytes(self._admitted)  # an admitted job holds its context
-            self.stats.kv(own + extra + prefixes, own + transient + prefixes)
+            caches = [*(lane.batch.cache for lane in self._lanes if lane.batch.sequences),
+                      *(batch.cache for _, batch in self._ready)]
+            # (the prefixes of admitted jobs too: each holds its context)
+            held = sum(map(_own_bytes, caches)) + extra + self._prefix_bytes(self._admitted)
+            self.stats.kv(held, held + transient)
 
     # -- /metrics -------------------------------------------------------------------------------------
     def metrics(self) -> dict:

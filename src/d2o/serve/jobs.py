@@ -47,6 +47,7 @@ class Job:
         self.prefix = None  # the kept context (to its boundary) it will read in place, its plan counting on it
         self.cached_tokens = 0  # of its prompt, found compressed in the prefix cache
         self.prefilling = None  # its prefill in chunks under way (``Batch.prefill_steps``), between rounds
+        self.prefilled = None  # its batch, prefilled on the prefill thread, until it joins a lane
         self.arrived = time.monotonic()
         self.last_token_at: float | None = None  # when its latest token was counted
 
