@@ -136,6 +136,24 @@ def test_rows_of_another_prefix_do_not_join_and_a_shared_cache_saves_whole():
         assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.token_index, theirs.token_index)
 
 
+@pytest.mark.parametrize("method, copies", [("d2o-novelty", False), ("d2o", True)])
+def test_only_a_merge_that_writes_vectors_copies_prefix_slots_into_a_rows_own_part(method, copies):
+    """``d2o``'s merge blends an evicted token's value into the kept slot: a row copies that prefix
+    slot into its own part first. ``d2o-novelty``'s moves only weight (``changes_vectors`` False): its
+    rows' own parts hold their own tokens alone, and their plans count one slot per token."""
+    model = tiny_model("llama")
+    context = compress(model, byte_tokenizer(), CONTEXT, method, BUDGET, evict_every=1)
+    batch, _, _ = asked(context, shared=True, steps=12)
+    for _ in range(11):
+        batch.step()
+    document = len(context.ids)
+    copied = sum(int(((layer.token_index[:, :, layer.prefix_width:] >= 0)
+                      & (layer.token_index[:, :, layer.prefix_width:] < document)).sum())
+                 for layer in batch.cache.layers)
+    assert d2o.get_method(method).merge.changes_vectors is copies
+    assert (copied > 0) is copies
+
+
 @pytest.mark.real_model
 def test_eight_questions_on_a_document_hold_it_once(real_model):
     """``d2o bench ask``, small: SmolLM2, an 800-token document, 8 needle questions at 20%."""

@@ -280,6 +280,9 @@ class Merge(Protocol):
     reads: tuple[str, ...]  # the slot states of the evicted tokens it reads (the engine copies only those)
     uneven_heads: bool  # True: it takes an ``Evicted`` whose KV heads evict unevenly (``valid`` (B, G, E))
     vectors: tuple[str, ...]  # which of their "keys" and "values" it reads (likewise)
+    # Whether it may write new keys or values into kept slots (False: only their weights and state):
+    # a row reading a prefix in place copies such a slot into its own part first, which plans count.
+    changes_vectors: bool
 
     def slot_state_bytes(self, group: int) -> int: ...  # per slot and stored KV head, at most
     def new_state(self) -> RowState | None: ...  # per-layer state of a new cache (a threshold per row)

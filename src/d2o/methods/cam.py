@@ -59,6 +59,7 @@ class ProminenceMerge:
 
     reads = (LAST_LOOK,)
     vectors = ("values",)  # keys are dropped
+    changes_vectors: ClassVar[bool] = True  # the kept tokens' values
 
     def new_state(self) -> None:
         return None

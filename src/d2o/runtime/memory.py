@@ -237,8 +237,10 @@ def _reads_in_place(layer) -> bool:
 
 def _own_slots_per_token(cache) -> int:
     """Slots a row's own part beside a shared prefix gains per token fed: its own, and one more where a
-    merge copies the prefix slot an eviction folds into (``SharedPrefixLayer``)."""
-    return 1 if cache.policy.merge is None else 2
+    merge copies the prefix slot an eviction folds into (``SharedPrefixLayer``: a merge that writes
+    new vectors into it; one that moves only weight leaves the slot in the prefix)."""
+    merge = cache.policy.merge
+    return 2 if merge is not None and merge.changes_vectors else 1
 
 
 def shared_plan(cache, rest_tokens: int, new_tokens: int, per_slot: list[int], per_vector: list[int]) -> KVPlan:

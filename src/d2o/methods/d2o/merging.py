@@ -108,6 +108,7 @@ class SimilarityMerge:
                            "would change nothing")
 
     uneven_heads: ClassVar[bool] = True  # it folds evictions whose count differs per KV head
+    changes_vectors = property(lambda merge: merge.blend, doc="Without blending, only the kept slots' weights.")
 
     @property
     def reads(self) -> tuple[str, ...]:
