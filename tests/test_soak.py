@@ -10,10 +10,11 @@ from d2o.cli import main
 pytestmark = pytest.mark.real_model
 
 
-def test_twenty_four_mixed_requests_leave_no_error_no_hang_and_the_library_answers(real_model):
+@pytest.mark.parametrize("prefill_thread", [False, True])
+def test_twenty_four_mixed_requests_leave_no_error_no_hang_and_the_library_answers(real_model, prefill_thread):
     model, tokenizer = real_model
     config = soak_config("smollm2", requests=24, kv_memory=64_000_000, prefix_cache_memory=16_000_000,
-                         prefill_chunk=256)
+                         prefill_chunk=256, prefill_thread=prefill_thread)
     report = soak(model, tokenizer, config, requests=24, clients=8, max_tokens=8, seed=0, timeout=120)
     assert set(report["kinds"]) == set(KINDS)  # every kind was sent
     assert report["server_errors"] == 0 and report["hung"] == 0 and report["unexpected_status"] == 0, report

@@ -789,6 +789,8 @@ def bench_soak(
     kv_memory: str = typer.Option("64MB", help="The server's KV memory cap: 512MB, 2GiB or bytes."),
     prefix_cache_memory: str = typer.Option("16MB", help="Of --kv-memory, for kept compressed documents."),
     prefill_chunk: int = typer.Option(256, help="The server prefills prompts this many tokens at a time (0: whole)."),
+    prefill_thread: bool = typer.Option(False, "--prefill-thread", help="The server prefills on a thread of its "
+                                        "own (d2o serve --prefill-thread)."),
     max_tokens: int = typer.Option(8, help="max_tokens of every answered request."),
     seed: int = typer.Option(0, help="Draws the requests."),
     timeout: float = typer.Option(300.0, help="Seconds a request may take before it counts as hung."),
@@ -804,7 +806,7 @@ def bench_soak(
     from d2o.bench.soak import soak, soak_config
 
     config = soak_config(model, requests, parse_bytes(kv_memory), memory_or_none(prefix_cache_memory),
-                         prefill_chunk or None)  # its options checked before the model loads
+                         prefill_chunk or None, prefill_thread)  # its options checked before the model loads
     net, tokenizer = load(model)
     report = soak(net, tokenizer, config, requests, clients, max_tokens, seed, timeout)
     print(json.dumps(report, indent=1))

@@ -197,10 +197,10 @@ def _resident_mb() -> float:
 
 
 def soak_config(name: str, requests: int = 500, kv_memory: int = 64_000_000, prefix_cache_memory: int = 16_000_000,
-                prefill_chunk: int | None = 256) -> ServeConfig:
+                prefill_chunk: int | None = 256, prefill_thread: bool = False) -> ServeConfig:
     """The soak's server (checked as ``d2o serve`` checks its options): room in its queue for every request."""
     return ServeConfig(model=name, kv_memory=kv_memory, prefix_cache_memory=prefix_cache_memory,
-                       prefill_chunk=prefill_chunk, max_queue=max(requests, 64))
+                       prefill_chunk=prefill_chunk, prefill_thread=prefill_thread, max_queue=max(requests, 64))
 
 
 def soak(model, tokenizer, config: ServeConfig, requests: int = 500, clients: int = 16, max_tokens: int = 8,
