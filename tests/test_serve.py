@@ -356,6 +356,38 @@ def test_a_request_cancelled_during_its_prefill_on_the_prefill_thread_is_dropped
     assert 1 < len(chunks) < 4000 // 16  # cut short
 
 
+def test_the_prefill_thread_feeds_a_short_prompt_between_the_chunks_of_a_long_one(real_model, monkeypatch):
+    """A 20-token prompt arriving while a 1,500-token one is fed 64 tokens at a time waits for one of
+    its chunks, not all: the thread takes the prompts in turns, chunk by chunk (both in flight at once
+    only because their prefills fit the cap together); both answer as the library does."""
+    model, tokenizer = real_model
+    fed = []
+    original = Engine._prefill_next
+
+    def prefill_next(engine, job):
+        fed.append(len(job.ids))
+        return original(engine, job)
+
+    monkeypatch.setattr(Engine, "_prefill_next", prefill_next)
+    long_prompt, short_prompt = essay(tokenizer, 1500), essay(tokenizer, 20, skip=3000)
+    with serving(model, tokenizer, kv_memory=parse_bytes("1GB"), prefill_chunk=64, prefill_thread=True) as (url, _):
+        with ThreadPoolExecutor(1) as pool:
+            long = pool.submit(client(url).completions.create, model="smollm2", prompt=long_prompt, max_tokens=4,
+                               temperature=0, extra_body={"kv_method": "d2o-novelty"})
+            deadline = time.monotonic() + 60
+            while len(fed) < 3 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            short = client(url).completions.create(model="smollm2", prompt=short_prompt, max_tokens=4,
+                                                   temperature=0, extra_body={"kv_method": "h2o"})
+            answer = long.result()
+    long_tokens = max(fed)
+    assert fed.count(long_tokens) >= 1500 // 64 and min(fed) < long_tokens
+    assert max(i for i, n in enumerate(fed) if n != long_tokens) < max(i for i, n in enumerate(fed) if n == long_tokens)
+    assert short.choices[0].text == generate(model, tokenizer, short_prompt, "h2o", 0.2, max_new_tokens=4).texts[0]
+    assert answer.choices[0].text == generate(model, tokenizer, long_prompt, "d2o-novelty", 0.2, max_new_tokens=4,
+                                              prefill_chunk=64).texts[0]
+
+
 def test_concurrent_requests_prefilled_on_the_prefill_thread_each_get_their_own_answer(real_model):
     """12 requests of three methods and mixed lengths under a cap that makes some wait: prefilled on
     the prefill thread, joined to lanes by the rounds, each answers as the library does, and the

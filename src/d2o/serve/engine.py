@@ -3,7 +3,10 @@
 One thread does all model work, in rounds: prefill the next admitted request into a cache of its
 own (``Batch.prefill``; with ``prefill_chunk``, one chunk of it per round, so that a long prompt
 holds the running requests up by a chunk at a time, not by its whole prefill), let it join a
-running batch of its method and budget (a *lane*) once prefilled, then step every lane once. A
+running batch of its method and budget (a *lane*) once prefilled, then step every lane once. With
+``prefill_thread`` a second thread does the prefills instead (prompts in chunks take turns, a chunk
+each), beside the rounds, which only join the prefilled requests to lanes and step them; while
+both run passes each takes half the cores. A
 request's row leaves its batch when it finishes or is cancelled, and its cache rows go with it.
 Requests of different methods or budgets never share a batch (their caches cannot); requests of the
 same key may run in more than one lane, when joining would not fit. Requests on one kept document
@@ -14,7 +17,8 @@ Admission: a request is admitted when everything already admitted, at most, plus
 prefill and its budgeted cache fit under the cap. A lane is reserved at ``padded_bytes``: its rows
 share one tensor per layer as wide as the widest row, so a short row beside a long one costs the
 long one's width. An admitted request not yet prefilled reserves its ``plan``'s held bytes, and
-the one prefill running at a time its whole prompt; a request whose earlier turns are kept is
+the one prefill running at a time its whole prompt (on the prefill thread: each prefill under way,
+and the largest of those not started); a request whose earlier turns are kept is
 planned as its own tokens beside them (``shared_plan``) and holds that context from then on. Each
 compressed document counts once, whether kept, read by lanes or counted on by admitted requests
 (``_prefix_bytes``). Requests that do not fit wait in a bounded
@@ -219,10 +223,21 @@ class Engine:
             hook.remove()
 
     # -- admission (under the lock) ----------------------------------------------------------------
-    def _reserved(self, admitted) -> int:
+    def _reserved(self, admitted, starting: Job | None = None) -> int:
+        """Bytes reserved for the lanes and the ``admitted`` jobs: each job's plan's held bytes, and
+        beyond them its prefill's while it runs. The rounds prefill one job at a time: the largest such
+        extra. The prefill thread interleaves prompts fed in chunks: each extra of a prefill under way,
+        and the largest of the others' (the next to start); ``starting``: whether that job may start
+        now, beside those under way."""
         held = sum(job.plan.held_bytes for job in admitted)
-        prefill = max((job.plan.prefill_bytes - job.plan.held_bytes for job in admitted), default=0)
-        return sum(self._bounds.values()) + held + max(prefill, 0) + self._prefix_bytes(admitted)
+        extra = {job: max(job.plan.prefill_bytes - job.plan.held_bytes, 0) for job in admitted}
+        if not self.config.prefill_thread:
+            prefill = max(extra.values(), default=0)
+        else:
+            under_way = [job for job in admitted if job.prefilling is not None or job is starting]
+            waiting = [extra[job] for job in admitted if job not in under_way] if starting is None else []
+            prefill = sum(extra[job] for job in under_way) + max(waiting, default=0)
+        return sum(self._bounds.values()) + held + prefill + self._prefix_bytes(admitted)
 
     def _prefix_bytes(self, admitted=()) -> int:
         """Bytes of the compressed documents held, each once: kept by the prefix cache (whole), read in
@@ -322,31 +337,36 @@ class Engine:
         return max(1, self._cores // 2) if sharing else self._cores
 
     def _run_prefills(self) -> None:
-        """The prefill thread: each admitted request's prompt, every chunk in turn, beside the rounds;
-        its batch then goes to the rounds to join a lane (``_ready``)."""
+        """The prefill thread: the admitted requests' prompts beside the rounds, a chunk at a time in
+        turns (``_next_prefill``); each batch then goes to the rounds to join a lane (``_ready``)."""
         while True:
             with self._lock:
-                while not (self._closing or any(job.prefilled is None for job in self._admitted)):
+                while not (self._closing or self._next_prefill()):
                     self._lock.wait()
                 if self._closing:
                     break
-                job = self._prefilling = next(job for job in self._admitted if job.prefilled is None)
+                job = self._prefilling = self._next_prefill()
             batch = None
             try:
-                while batch is None:
-                    with self._lock:
-                        if job not in self._admitted:  # cancelled, or failed
-                            break
-                    batch = self._prefill_next(job)
+                batch = self._prefill_next(job)
             except Exception as error:  # noqa: BLE001 - the server keeps serving the others
                 job.prefilling = None
                 self._settle(job, APIError(500, f"prefill failed: {error!r}", kind="server_error"), "failed")
             with self._lock:
-                self._prefilling = None
+                self._prefilling, job.turn = None, time.monotonic()
                 if batch is not None and job in self._admitted:  # (not failed meanwhile by ``_fail_all``)
                     job.prefilled = batch
                     self._ready.append((job, batch))
                 self._lock.notify_all()
+
+    def _next_prefill(self) -> Job | None:
+        """The admitted job whose chunk comes next on the prefill thread (under the lock): of those under
+        way, and those not started whose prefill fits beside them, the one fed longest ago (or admitted,
+        if none is fed yet), so that a short prompt waits for one chunk of a long one, not for all."""
+        waiting = [job for job in self._admitted if job.prefilled is None]
+        fits = [job for job in waiting if job.prefilling is not None
+                or self._reserved(self._admitted, starting=job) <= self.cap]
+        return min(fits, key=lambda job: job.turn, default=None)
 
     def _prefill(self, job: Job) -> None:
         """The next chunk of the job's prefill (all of it, unless the server prefills in chunks), in a

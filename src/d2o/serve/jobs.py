@@ -49,6 +49,7 @@ class Job:
         self.prefilling = None  # its prefill in chunks under way (``Batch.prefill_steps``), between rounds
         self.prefilled = None  # its batch, prefilled on the prefill thread, until it joins a lane
         self.arrived = time.monotonic()
+        self.turn = self.arrived  # when the prefill thread last fed it a chunk (or it arrived)
         self.last_token_at: float | None = None  # when its latest token was counted
 
     def emit(self, kind: str, payload=None) -> None:
