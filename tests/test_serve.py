@@ -335,8 +335,9 @@ def test_a_server_prefilling_on_a_thread_of_its_own_steps_the_running_requests_d
 
 
 def test_a_request_cancelled_during_its_prefill_on_the_prefill_thread_is_dropped_there(real_model, monkeypatch):
-    """Its client gives up while the prefill thread feeds its prompt 16 tokens at a time: the thread
-    stops at the next chunk, and nothing stays held or reserved."""
+    """Its client gives up while the prefill thread feeds its prompt 16 tokens at a time: the KV gauge
+    counts its cache between chunks, the thread stops at the next chunk, and nothing stays held or
+    reserved."""
     model, tokenizer = real_model
     chunks = []
     original = Engine._prefill_next
@@ -349,9 +350,13 @@ def test_a_request_cancelled_during_its_prefill_on_the_prefill_thread_is_dropped
     gone = 'd2o_requests_total{budget="0.2",method="d2o",outcome="cancelled"}'
     with serving(model, tokenizer, kv_memory=parse_bytes("1GB"), prefill_chunk=16, prefill_thread=True) as (url, _):
         request = {"model": "smollm2", "prompt": essay(tokenizer, 4000), "max_tokens": 4, "temperature": 0}
-        with pytest.raises(httpx.ReadTimeout):
-            httpx.post(url + "/v1/completions", json=request, timeout=1.0)
+        with ThreadPoolExecutor(1) as pool:
+            sent = pool.submit(httpx.post, url + "/v1/completions", json=request, timeout=1.5)
+            during = wait_for(url, lambda m: m["d2o_kv_bytes"] > 0)  # its cache so far, between chunks
+            with pytest.raises(httpx.ReadTimeout):
+                sent.result()
         after = wait_for(url, lambda m: m.get(gone, 0) == 1)
+    assert during["d2o_kv_bytes"] > 0
     assert after[gone] == 1 and after["d2o_kv_bytes"] == 0 and after["d2o_kv_bytes_reserved"] == 0
     assert 1 < len(chunks) < 4000 // 16  # cut short
 
@@ -389,9 +394,9 @@ def test_the_prefill_thread_feeds_a_short_prompt_between_the_chunks_of_a_long_on
 
 
 def test_concurrent_requests_prefilled_on_the_prefill_thread_each_get_their_own_answer(real_model):
-    """12 requests of three methods and mixed lengths under a cap that makes some wait: prefilled on
-    the prefill thread, joined to lanes by the rounds, each answers as the library does, and the
-    memory is back to nothing at the end."""
+    """12 requests of three methods and mixed lengths at once under a cap of 4 full caches: prefilled
+    on the prefill thread, joined to lanes by the rounds, each answers as the library does, the KV
+    bytes stay under the cap, and the memory is back to nothing at the end."""
     model, tokenizer = real_model
     prompts = [essay(tokenizer, n, skip=40 * i) for i, n in enumerate([300, 20, 60, 200])]
     methods = [("h2o", "0.5"), ("d2o-novelty", "0.3"), ("kvzip", "0.5")]
@@ -414,7 +419,6 @@ def test_concurrent_requests_prefilled_on_the_prefill_thread_each_get_their_own_
     assert {(p, m): text for p, m, text in replies} == expected
     assert metrics["d2o_kv_bytes"] == 0 and metrics["d2o_kv_bytes_reserved"] == 0
     assert 0 < metrics["d2o_kv_bytes_peak"] <= cap
-    assert max(v for k, v in metrics.items() if k.startswith("d2o_requests_running_peak")) >= 2
 
 
 def test_a_cap_that_holds_not_one_request_is_refused_at_start(real_model):

@@ -85,6 +85,7 @@ class Engine:
         # With prefill_thread: prompts are prefilled on a thread of their own, their batches handed to
         # the rounds here to join a lane (``_ready``), and while both run each takes half the cores.
         self._ready: list[tuple[Job, Batch]] = []
+        self._lane_bytes = 0  # what the lanes held when the rounds last looked (``_record_kv``)
         self._prefilling: Job | None = None  # the job the prefill thread is prefilling
         self._cores = torch.get_num_threads()
         self._threads = [threading.Thread(target=self._run, name="d2o-engine", daemon=True)]
@@ -333,7 +334,7 @@ class Engine:
 
     def _share(self, sharing: bool) -> int:
         """The threads a pass takes: every core, or half of them while the other thread runs passes too
-        (two passes each on every core slow each other down)."""
+        (so that the two threads' passes do not contend for the same cores)."""
         return max(1, self._cores // 2) if sharing else self._cores
 
     def _run_prefills(self) -> None:
@@ -350,13 +351,14 @@ class Engine:
             try:
                 batch = self._prefill_next(job)
             except Exception as error:  # noqa: BLE001 - the server keeps serving the others
-                job.prefilling = None
+                job.drop_prefill()
                 self._settle(job, APIError(500, f"prefill failed: {error!r}", kind="server_error"), "failed")
             with self._lock:
                 self._prefilling, job.turn = None, time.monotonic()
                 if batch is not None and job in self._admitted:  # (not failed meanwhile by ``_fail_all``)
                     job.prefilled = batch
                     self._ready.append((job, batch))
+                self._record_kv()  # its cache between chunks, or as prefilled, or gone with it
                 self._lock.notify_all()
 
     def _next_prefill(self) -> Job | None:
@@ -384,7 +386,7 @@ class Engine:
         batch once its prompt is in; None while chunks are to come, or when the job has left
         (cancelled, or failed with its error)."""
         if job.cancelled:
-            job.prefilling = None  # a prefill cut short: its cache goes at once
+            job.drop_prefill()  # a prefill cut short: its cache goes at once
             return self._settle(job, None, "cancelled")
         try:
             batch = None
@@ -394,18 +396,20 @@ class Engine:
                     cache = CompressedCache(self.model, job.method, job.budget, evict_every=self.evict_every,
                                             kv_bits=self.kv_bits, prefill_chunk=self.prefill_chunk)
                     job.prefilling = Batch.prefill_steps(self.model, cache, [job.ids], [job.sequence])
+                    job.partial = cache
             if batch is None:
                 batch = next(job.prefilling)
-                if batch is None:  # more chunks to come, in the next rounds
+                if batch is None:  # more chunks to come: what its cache holds between them counts as held
+                    job.partial_bytes = _own_bytes(job.partial)
                     return
-                job.prefilling = None
+                job.drop_prefill()
             peaks = peak_slots(batch.cache, job.sequence.max_new_tokens)
             job.peaks, job.own = peaks[0], own_peaks(batch.cache, job.sequence.max_new_tokens, peaks)[0]
         except D2OError as error:  # e.g. a ratio too small for a short prompt without a floor
-            job.prefilling = None
+            job.drop_prefill()
             return self._settle(job, APIError(400, str(error), "kv_budget"), "failed")
         except Exception as error:  # noqa: BLE001 - the server keeps serving the others
-            job.prefilling = None
+            job.drop_prefill()
             return self._settle(job, APIError(500, f"prefill failed: {error}", kind="server_error"), "failed")
         return batch
 
@@ -474,7 +478,7 @@ class Engine:
             self._lanes.clear()
             self._bounds.clear()
         for job in jobs:
-            job.prefilling = None
+            job.drop_prefill()
             self._settle(job, APIError(500, f"internal error: {error!r}", kind="server_error"), "failed")
         self._record_kv()
 
@@ -550,10 +554,12 @@ class Engine:
         cache not in either yet) and the prefixes once; ``transient``: bytes held beside those a moment
         ago (a prefill's, beyond what its cache holds now), for the peak."""
         with self._lock:
-            caches = [*(lane.batch.cache for lane in self._lanes if lane.batch.sequences),
-                      *(batch.cache for _, batch in self._ready)]
-            # (the prefixes of admitted jobs too: each holds its context)
-            held = sum(map(_own_bytes, caches)) + extra + self._prefix_bytes(self._admitted)
+            if threading.current_thread() is self._threads[0]:  # the rounds: no lane is mid-step now
+                self._lane_bytes = sum(_own_bytes(lane.batch.cache) for lane in self._lanes if lane.batch.sequences)
+            # (a prefill in chunks under way, as its cache was after its last chunk; the prefixes of
+            # admitted jobs too: each holds its context)
+            held = self._lane_bytes + sum(_own_bytes(batch.cache) for _, batch in self._ready) + extra + \
+                sum(job.partial_bytes for job in self._admitted) + self._prefix_bytes(self._admitted)
             self.stats.kv(held, held + transient)
 
     # -- /metrics -------------------------------------------------------------------------------------

@@ -47,10 +47,17 @@ class Job:
         self.prefix = None  # the kept context (to its boundary) it will read in place, its plan counting on it
         self.cached_tokens = 0  # of its prompt, found compressed in the prefix cache
         self.prefilling = None  # its prefill in chunks under way (``Batch.prefill_steps``), between rounds
+        self.partial = None  # that prefill's cache
+        self.partial_bytes = 0  # what that cache held after its last chunk (the KV gauge counts it)
         self.prefilled = None  # its batch, prefilled on the prefill thread, until it joins a lane
         self.arrived = time.monotonic()
         self.turn = self.arrived  # when the prefill thread last fed it a chunk (or it arrived)
         self.last_token_at: float | None = None  # when its latest token was counted
+
+    def drop_prefill(self) -> None:
+        """Its prefill in chunks is over (done, cut short or failed): its cache goes with it."""
+        self.prefilling = self.partial = None
+        self.partial_bytes = 0
 
     def emit(self, kind: str, payload=None) -> None:
         try:
