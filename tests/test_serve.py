@@ -248,6 +248,20 @@ def test_a_server_prefilling_in_chunks_admits_a_prompt_whose_whole_prefill_excee
     assert reply.json()["choices"][0]["text"] == expected.texts[0]
 
 
+def stream_beside_a_long_prompt(url: str, prompt: str):
+    """A 48-token story streamed under ``h2o`` while ``prompt`` (4 tokens under ``d2o-novelty``) is sent
+    once the stream has begun: the stream's parts, and the long prompt's answer."""
+    stream = client(url).chat.completions.create(model="smollm2", messages=[{"role": "user", "content": STORY}],
+                                                 max_tokens=48, temperature=0, stream=True,
+                                                 extra_body={"kv_method": "h2o"})
+    parts = [next(stream).choices[0].delta.content or ""]
+    with ThreadPoolExecutor(1) as pool:
+        long = pool.submit(client(url).completions.create, model="smollm2", prompt=prompt, max_tokens=4,
+                           temperature=0, extra_body={"kv_method": "d2o-novelty"})
+        parts += [chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices]
+        return parts, long.result()
+
+
 def test_a_prompt_prefilled_in_chunks_lets_the_running_requests_step_between_its_chunks(real_model, monkeypatch):
     """A stream runs while a 1,500-token prompt arrives: the server feeds that prompt 64 tokens a
     round, and steps the stream in each round between (prefilled whole, it would step in none);
@@ -263,15 +277,7 @@ def test_a_prompt_prefilled_in_chunks_lets_the_running_requests_step_between_its
     monkeypatch.setattr(Engine, "_step", step)
     prompt = essay(tokenizer, 1500)
     with serving(model, tokenizer, kv_memory=parse_bytes("1GB"), prefill_chunk=64) as (url, _):
-        stream = client(url).chat.completions.create(model="smollm2", messages=[{"role": "user", "content": STORY}],
-                                                     max_tokens=48, temperature=0, stream=True,
-                                                     extra_body={"kv_method": "h2o"})
-        parts = [next(stream).choices[0].delta.content or ""]
-        with ThreadPoolExecutor(1) as pool:
-            long = pool.submit(client(url).completions.create, model="smollm2", prompt=prompt, max_tokens=4,
-                               temperature=0, extra_body={"kv_method": "d2o-novelty"})
-            parts += [chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices]
-            answer = long.result()
+        parts, answer = stream_beside_a_long_prompt(url, prompt)
     assert sum(between) >= 5
     assert answer.choices[0].text == generate(model, tokenizer, prompt, "d2o-novelty", 0.2, max_new_tokens=4,
                                               prefill_chunk=64).texts[0]
@@ -317,15 +323,7 @@ def test_a_server_prefilling_on_a_thread_of_its_own_steps_the_running_requests_d
     monkeypatch.setattr(Engine, "_step", step)
     prompt = essay(tokenizer, 1500)
     with serving(model, tokenizer, kv_memory=parse_bytes("1GB"), prefill_thread=True) as (url, engine):
-        stream = client(url).chat.completions.create(model="smollm2", messages=[{"role": "user", "content": STORY}],
-                                                     max_tokens=48, temperature=0, stream=True,
-                                                     extra_body={"kv_method": "h2o"})
-        parts = [next(stream).choices[0].delta.content or ""]
-        with ThreadPoolExecutor(1) as pool:
-            long = pool.submit(client(url).completions.create, model="smollm2", prompt=prompt, max_tokens=4,
-                               temperature=0, extra_body={"kv_method": "d2o-novelty"})
-            parts += [chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices]
-            answer = long.result()
+        parts, answer = stream_beside_a_long_prompt(url, prompt)
         cores = engine._cores
     assert sum(during) >= 5
     if cores > 1:
