@@ -241,6 +241,7 @@ def test_a_model_folder_whose_weights_are_cut_or_fit_another_config(monkeypatch,
     (["bench", "prefill", "--chunks", "512,512"], "512 given twice in chunks"),
     (["bench", "serve", "--prefix-sharing", "shared"], "--prefix-sharing 'shared': in-place, copied, or both"),
     (["bench", "serve", "--heads", "uneven"], "--heads 'uneven' must be one of even, adaptive"),
+    (["bench", "serve", "--prefill-thread", "yes"], "--prefill-thread 'yes': off, on, or both"),
     (["bench", "ask", "--questions", "9"], "--questions 9: NIAH has 8 needles"),
     (["bench", "ask", "--methods", "full,d2o"], "'full' compresses nothing"),
 ])
