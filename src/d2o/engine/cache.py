@@ -23,7 +23,7 @@ from d2o.engine.quantized import QuantizedLayer
 from d2o.engine.ragged import QuantizedRaggedLayer, RaggedLayer
 from d2o.engine.report import CacheReport, report_of
 from d2o.engine.schedule import Schedule
-from d2o.engine.shared import SharedPrefixLayer, SharedRunsLayer
+from d2o.engine.shared import reader_of
 from d2o.engine.slots import named
 from d2o.engine.stats import token_surprisal
 from d2o.engine.storage import CompressedLayer
@@ -140,10 +140,9 @@ class CompressedCache(Cache):
         new.prober = self.prober.copy()
         new.schedule = copy.copy(self.schedule)
         new.schedule.cache = new
-        new.layers = [layer.copy_for(new) if not shared_prefix else
-                      SharedRunsLayer.over(layer, new) if SharedRunsLayer.can_share(layer) else
-                      SharedPrefixLayer.over(layer, new) if SharedPrefixLayer.can_share(layer) else
-                      layer.copy_for(new) for layer in self.layers]
+        readers = [reader_of(layer) if shared_prefix else None for layer in self.layers]
+        new.layers = [layer.copy_for(new) if reader is None else reader.over(layer, new)
+                      for layer, reader in zip(self.layers, readers)]
         new._make_views()
         return new
 

@@ -355,3 +355,12 @@ class SharedRunsLayer(ReadsPrefix):
                                          torch.cat([head.token_index for head in heads], 1)))
         tensors, meta = self._saved(SlotTable.cat(heads))
         return tensors, {**meta, "bounds": [0, *accumulate(head.width for head in heads)]}
+
+
+def reader_of(layer: CompressedLayer) -> type[ReadsPrefix] | None:
+    """How rows read ``layer`` (a context's) in place: ``SharedRunsLayer`` where its method evicts
+    nothing once the prompt is compressed (no bookkeeping of it per row), else ``SharedPrefixLayer``;
+    None: it cannot be read in place (quantized, of a batch), and rows copy it."""
+    return SharedRunsLayer if SharedRunsLayer.can_share(layer) else \
+        SharedPrefixLayer if SharedPrefixLayer.can_share(layer) else None
+

@@ -33,7 +33,7 @@ from d2o.budget import UNLIMITED, Budget
 from d2o.engine.model_facts import compressible_layers, head_dim, sliding_windows
 from d2o.engine.quantization import KVQuantization
 from d2o.engine.ragged import RaggedLayer
-from d2o.engine.shared import SharedPrefixLayer, SharedRunsLayer
+from d2o.engine.shared import SharedRunsLayer, reader_of
 from d2o.engine.storage import TOKEN_INDEX_DTYPE
 from d2o.methods.base import Method
 
@@ -231,8 +231,8 @@ def shareable(cache) -> bool:
 
 
 def _reads_in_place(layer) -> bool:
-    """Whether rows can read ``layer`` (a context's) in place: as a plain prefix, or a prefix of runs."""
-    return SharedPrefixLayer.can_share(layer) or SharedRunsLayer.can_share(layer)
+    """Whether rows can read ``layer`` (a context's) in place (``engine.shared.reader_of``)."""
+    return reader_of(layer) is not None
 
 
 def _own_slots_per_token(cache) -> int:
@@ -249,7 +249,7 @@ def shared_plan(cache, rest_tokens: int, new_tokens: int, per_slot: list[int], p
     beside them) and its bookkeeping of the context's slots (of a plain layer's: a row on runs holds
     none, ``SharedRunsLayer``); the context's keys and values are not counted (they are the context's)."""
     own = _own_slots_per_token(cache) * (rest_tokens + new_tokens) + cache.evict_every
-    held = sum(own * slot + (0 if SharedRunsLayer.can_share(layer) else layer.token_index.shape[2] * (slot - vector))
+    held = sum(own * slot + (0 if reader_of(layer) is SharedRunsLayer else layer.token_index.shape[2] * (slot - vector))
                for layer, slot, vector in zip(cache.layers, per_slot, per_vector))
     return KVPlan(held, held)
 

@@ -84,7 +84,7 @@ class Engine:
         self._closing = False
         # With prefill_thread: prompts are prefilled on a thread of their own, their batches handed to
         # the rounds here to join a lane (``_ready``), and while both run each takes half the cores.
-        self._ready: list[tuple[Job, Batch]] = []
+        self._ready: list[Job] = []  # prefilled there (each its batch in ``prefilled``), to join a lane
         self._lane_bytes = 0  # what the lanes held when the rounds last looked (``_record_kv``)
         self._prefilling: Job | None = None  # the job the prefill thread is prefilling
         self._cores = torch.get_num_threads()
@@ -317,11 +317,11 @@ class Engine:
                 ready = list(self._ready)
                 sharing = self._prefilling is not None
             try:
-                for prefilled, batch in ready:
+                for done in ready:
                     # Counted here, where no lane is mid-step: the prefill held at most its plan's
                     # prefill bytes beside the lanes, which the peak counts.
-                    self._record_kv(transient=prefilled.plan.prefill_bytes - _own_bytes(batch.cache))
-                    self._place(prefilled, batch)
+                    self._record_kv(transient=done.plan.prefill_bytes - _own_bytes(done.prefilled.cache))
+                    self._place(done, done.prefilled)
                 if job is not None:
                     self._prefill(job)
                 torch.set_num_threads(self._share(sharing))
@@ -342,11 +342,11 @@ class Engine:
         turns (``_next_prefill``); each batch then goes to the rounds to join a lane (``_ready``)."""
         while True:
             with self._lock:
-                while not (self._closing or self._next_prefill()):
+                while not self._closing and (job := self._next_prefill()) is None:
                     self._lock.wait()
                 if self._closing:
                     break
-                job = self._prefilling = self._next_prefill()
+                self._prefilling = job
             batch = None
             try:
                 batch = self._prefill_next(job)
@@ -357,7 +357,7 @@ class Engine:
                 self._prefilling, job.turn = None, time.monotonic()
                 if batch is not None and job in self._admitted:  # (not failed meanwhile by ``_fail_all``)
                     job.prefilled = batch
-                    self._ready.append((job, batch))
+                    self._ready.append(job)
                 self._record_kv()  # its cache between chunks, or as prefilled, or gone with it
                 self._lock.notify_all()
 
@@ -431,7 +431,7 @@ class Engine:
                 self._lanes.append(lane)
             self._bounds[id(lane)] = lane.bound()
             self._admitted.remove(job)
-            self._ready = [entry for entry in self._ready if entry[1] is not batch]
+            self._ready = [other for other in self._ready if other is not job]
             running = sum(len(other.jobs) for other in self._lanes if other.key == job.key)
             self.stats.running_peak[job.key] = max(self.stats.running_peak[job.key], running)
         self._record_kv()
@@ -558,7 +558,7 @@ class Engine:
                 self._lane_bytes = sum(_own_bytes(lane.batch.cache) for lane in self._lanes if lane.batch.sequences)
             # (a prefill in chunks under way, as its cache was after its last chunk; the prefixes of
             # admitted jobs too: each holds its context)
-            held = self._lane_bytes + sum(_own_bytes(batch.cache) for _, batch in self._ready) + extra + \
+            held = self._lane_bytes + sum(_own_bytes(job.prefilled.cache) for job in self._ready) + extra + \
                 sum(job.partial_bytes for job in self._admitted) + self._prefix_bytes(self._admitted)
             self.stats.kv(held, held + transient)
 
