@@ -43,7 +43,9 @@ def digest(cache) -> str:
     for layer in cache.layers:
         if layer.token_index is None:
             continue
-        for tensor in (layer.token_index, layer.keys, layer.values):
+        # The token indices as int64, whatever their stored width, so that commits storing them
+        # differently compare.
+        for tensor in (layer.token_index.long(), layer.keys, layer.values):
             hasher.update(tensor.detach().contiguous().cpu().numpy().tobytes())
         layer.settle()
     return hasher.hexdigest()

@@ -270,9 +270,9 @@ def test_report_totals_match_the_layers():
     assert sum(lengths(cache)) == report.kv_tokens_kept + 4  # one free slot per layer
     assert report.kv_tokens_full == 4 * 125
     assert report.kv_bytes == kv_bytes(cache)
-    # Beside each slot's K and V in each KV head (2 of 4 query heads): its int64 token index, d2o's
+    # Beside each slot's K and V in each KV head (2 of 4 query heads): its int32 token index, d2o's
     # float32 mass per query head and int32 merge count.
-    assert report.state_bytes == sum(lengths(cache)) * 2 * (8 + 2 * 4 + 4)
+    assert report.state_bytes == sum(lengths(cache)) * 2 * (4 + 2 * 4 + 4)
     assert cache.nbytes == report.kv_bytes + report.state_bytes
     assert report.kv_bytes_full == 4 * 125 * 2 * 16 * 2 * 4
     assert report.layer_budgets == [int(layer.budget) for layer in cache.layers]

@@ -100,8 +100,8 @@ def test_the_memory_plan_counts_sliding_layers_at_their_window(name):
     model = tiny_model("gemma3")
     method, budget = get_method(name), Budget(ratio=0.3, min_tokens=0)
     need = plan(model.config, method, budget, 100, 20)
-    # Per KV head (2): K and V, the token index and, in a global layer, h2o's mass per query head.
-    sliding, slot = 2 * (2 * 16 * 4 + 8), 2 * (2 * 16 * 4 + 8 + (8 if name == "h2o" else 0))
+    # Per KV head (2): K and V, the token index (int32) and, in a global layer, h2o's mass per query head.
+    sliding, slot = 2 * (2 * 16 * 4 + 4), 2 * (2 * 16 * 4 + 4 + (8 if name == "h2o" else 0))
     assert need.prefill_bytes == 2 * 100 * sliding + 2 * 100 * slot
     most = most_held(model, method, budget, 100, 20)
     assert most == need.held_bytes - (slot * 2 if name == "full" else 0)  # full never feeds its last token
@@ -118,7 +118,7 @@ def test_the_memory_plan_reads_exempt_layers_as_the_allocation_does(exempt):
     method, budget = get_method("h2o", exempt_layers=exempt), Budget(ratio=0.7, min_tokens=0)
     held = plan(model.config, method, budget, 100, 20).held_bytes
     exempt_global = len(set(exempt) & {1, 3})  # planned at the whole sequence, whose last token is never fed
-    assert most_held(model, method, budget, 100, 20) == held - exempt_global * 2 * (2 * 16 * 4 + 8 + 8)
+    assert most_held(model, method, budget, 100, 20) == held - exempt_global * 2 * (2 * 16 * 4 + 4 + 8)
 
 
 def test_a_model_sliding_in_every_layer_keeps_its_window_and_refuses_compression():

@@ -216,7 +216,7 @@ class LayerView:
                      doc="The method's per-layer state (``new_layer_state``).")
     layer_idx = _read("layer_idx", "The layer's index in the model.")
     device = _read("device", "Where its tensors are.")
-    token_index = _read("token_index", "(B, G, N) int64: each slot's token among its row's real ones (-1: empty).")
+    token_index = _read("token_index", "(B, G, N) int32: each slot's token among its row's real ones (-1: empty).")
     valid = _read("valid", "(B, G, N) bool: which slots hold a token.")
     n_kept = _read("n_kept", "(B,) tokens held per row.")
     real_seen = _read("real_seen", "(B,) real tokens fed per row.")

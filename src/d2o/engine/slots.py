@@ -17,6 +17,7 @@ import torch
 from d2o.engine.selection import flat_offsets, take_flat, take_slots
 
 EMPTY_INDEX = -1  # the token index of an empty slot (every other field holds zeros there)
+TOKEN_INDEX_DTYPE = torch.int32  # each slot's token index, per KV head: 2**31 tokens are enough
 
 
 def _with_empty_slots(tensor: torch.Tensor, count: int, fill) -> torch.Tensor:
@@ -235,9 +236,9 @@ class Vacancies:
         key_slots = slots[..., None].expand(batch, heads, count, key_dim).split(1, 2)
         value_slots = key_slots if value_dim == key_dim else \
             slots[..., None].expand(batch, heads, count, value_dim).split(1, 2)
+        token_index = (real_seen[:, None, None] + steps).to(TOKEN_INDEX_DTYPE).expand(batch, heads, count)
         return cls(slots=slots.split(1, 2), bias_slots=slots[:, :, None, :].split(1, 3), key_slots=key_slots,
-                   value_slots=value_slots,
-                   token_index=(real_seen[:, None, None] + steps).expand(batch, heads, count).split(1, 2),
+                   value_slots=value_slots, token_index=token_index.split(1, 2),
                    real_seen=(real_seen[None, :] + steps[:, None] + 1).unbind(0))
 
     @property

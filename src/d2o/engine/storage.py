@@ -22,10 +22,9 @@ from transformers.cache_utils import CacheLayerMixin
 
 from d2o.engine.api import Evicted, Merged, Observed
 from d2o.engine.selection import take_flat
-from d2o.engine.slots import SlotTable, Vacancies, named
+from d2o.engine.slots import TOKEN_INDEX_DTYPE, SlotTable, Vacancies, named
 from d2o.errors import D2OError
 
-TOKEN_INDEX_DTYPE = torch.long  # each slot's token index, per KV head
 HOOK_PREFIX = "d2o_"  # the attention implementations d2o registers are named d2o_sdpa and d2o_eager
 
 
@@ -247,9 +246,9 @@ class CompressedLayer(CacheLayerMixin):
         """The token index of each of ``q`` new tokens (B, q; -1: padding) and each row's real ones."""
         if new_valid is None:
             index = self.real_seen[:, None] if q == 1 else self.real_seen[:, None] + torch.arange(q, device=self.device)
-            return index, q
-        return (self.real_seen[:, None] + new_valid.long().cumsum(-1) - 1).masked_fill(~new_valid, -1), \
-            new_valid.sum(-1)
+            return index.to(TOKEN_INDEX_DTYPE), q
+        index = (self.real_seen[:, None] + new_valid.long().cumsum(-1) - 1).masked_fill(~new_valid, -1)
+        return index.to(TOKEN_INDEX_DTYPE), new_valid.sum(-1)
 
     def logit_bias(self, dtype: torch.dtype) -> torch.Tensor:
         """(B, G, 1, N) what the attention adds to each slot's logit: its log weight, the lowest value

@@ -34,7 +34,7 @@ from d2o.engine.model_facts import compressible_layers, head_dim, sliding_window
 from d2o.engine.quantization import KVQuantization
 from d2o.engine.ragged import RaggedLayer
 from d2o.engine.shared import SharedRunsLayer, reader_of
-from d2o.engine.storage import TOKEN_INDEX_DTYPE
+from d2o.engine.slots import TOKEN_INDEX_DTYPE
 from d2o.methods.base import Method
 
 
@@ -60,8 +60,8 @@ def slot_bytes(config, dtype_bytes: int, method: Method, stock: bool = False, kv
     """Bytes of one slot in each layer: the K and V of one token in every stored KV head and, in
     d2o's cache (not in the stock cache: ``stock``), its token index beside them and, in a layer
     the method scores (every layer but a sliding-window one), the method's slot state (float32
-    whatever the model's dtype). On SmolLM2 in float32 the index and state add 4-7% to K and V
-    for H2O, D2O and d2o-plus, 27% for RoCo (its window's attention rows). ``kv_bits``: K and V
+    whatever the model's dtype). On SmolLM2 in float32 the index and state add 3-6% to K and V
+    for H2O, D2O and d2o-plus, 26% for RoCo (its window's attention rows). ``kv_bits``: K and V
     quantized (``CompressedCache``'s), their packed levels, steps and zero points."""
     config = config.get_text_config()
     heads, dim = _heads_and_dim(config, method)
@@ -76,13 +76,13 @@ def slot_bytes(config, dtype_bytes: int, method: Method, stock: bool = False, kv
 
 def row_bytes(config, dtype_bytes: int, method: Method, kv_bits=None) -> int:
     """Bytes a row holds in every layer beside its slots: with ``kv_bits``, its newest tokens in full
-    precision (K, V and their slots; ``KVQuantization.residual``)."""
+    precision (K, V and their slots' places, int64 indices; ``KVQuantization.residual``)."""
     quantization = KVQuantization.of(kv_bits)
     if quantization is None:
         return 0
     heads, dim = _heads_and_dim(config, method)
     layers = config.get_text_config().num_hidden_layers
-    return layers * heads * quantization.residual * (2 * dim * dtype_bytes + TOKEN_INDEX_DTYPE.itemsize)
+    return layers * heads * quantization.residual * (2 * dim * dtype_bytes + torch.long.itemsize)
 
 
 def plan(config, method: Method, budget: Budget, prompt_tokens: int, new_tokens: int, dtype_bytes: int = 4,

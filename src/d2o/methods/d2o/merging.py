@@ -228,7 +228,7 @@ class SimilarityMerge:
 
         def near(part: slice) -> torch.Tensor:
             # Two comparisons with the window's ends: an (e, N) matrix of differences and its absolute
-            # value, in the index's int64, cost a prefill's compression more than its similarities.
+            # value, in the index's integers, cost a prefill's compression more than its similarities.
             index = evicted.token_index[:, :, part, None]
             return (kept >= index - self.min_distance) & (kept <= index + self.min_distance)
         return near
