@@ -14,7 +14,7 @@ from d2o.methods.allocation import InverseVariance, Pyramid, conserve, layer_den
 from d2o.methods.d2o import SimilarityMerge
 from d2o.methods.d2o.merging import MergeState
 
-from conftest import make_cache, merge_into, random_ids, standalone_layer as make_layer, tiny_model
+from conftest import greedy, make_cache, merge_into, random_ids, standalone_layer as make_layer, tiny_model
 
 
 def merged_layer(merge, keys, values, keep, evict, tau=None):
@@ -255,7 +255,8 @@ def test_every_knob_is_reachable_by_name():
         get_method("d2o", allocation="zigzag")
     with pytest.raises(D2OError, match=r"no option 'merge.beta': its merge \(SimilarityMerge\) has options alpha, "):
         get_method("d2o", **{"merge.beta": 1})
-    with pytest.raises(D2OError, match=r"'scoring.window': its scoring \(AccumulatedAttention\) has no options"):
+    with pytest.raises(D2OError, match=r"'scoring.window': its scoring \(AccumulatedAttention\) has options "
+                                      r"sum_heads$"):
         get_method("d2o", **{"scoring.window": 8})  # a window needs scoring=blended
     with pytest.raises(D2OError, match="'mrege.alpha': its parts with options are allocation, merge, scoring"):
         get_method("d2o", **{"mrege.alpha": 0.3})
@@ -501,3 +502,56 @@ def test_layers_merged_in_one_call_equal_each_merged_alone(merge):
         if merge.mass:
             assert torch.equal(joint.log_weight, single.log_weight)
     assert sum(int(count.sum()) for count in counts) > 0  # something was merged
+
+
+def novelty_caches(model, prefill_chunk=None):
+    """``d2o-novelty`` as it is (its mass summed over query heads once allocated) and kept per head."""
+    from d2o.methods.d2o.novelty import novelty_scores
+
+    return [CompressedCache(model, get_method("d2o-novelty", scoring=novelty_scores(sum_heads=summed)),
+                            Budget(ratio=0.2, min_tokens=0), prefill_chunk=prefill_chunk) for summed in (True, False)]
+
+
+def test_d2o_novelty_sums_its_mass_over_query_heads_once_allocated():
+    """The compression reads the same scores (the same slots kept, the summed mass equal to the
+    per-head sum); decoding then adds each step's attention to the sum, in another order only: the
+    same tokens, masses equal within float rounding, and (group - 1) fewer floats per slot."""
+    model = tiny_model("llama")  # 4 query heads on 2 KV heads
+    ids = random_ids(150)
+    summed, per_head = novelty_caches(model)
+    with torch.inference_mode():
+        for cache in (summed, per_head):
+            model(input_ids=ids, cache=cache)
+    for one, other in zip(summed.layers, per_head.layers):
+        assert one.slots.state["mass"].shape[-1] == 1 and other.slots.state["mass"].shape[-1] == 2
+        assert torch.equal(one.slots.token_index, other.slots.token_index)
+        assert torch.equal(one.slots.state["mass"][..., 0], other.slots.state["mass"].sum(-1))
+        assert other.state_nbytes - one.state_nbytes == other.token_index.numel() * 4
+    summed, per_head = novelty_caches(model)
+    tokens = [greedy(model, ids, cache, steps=12) for cache in (summed, per_head)]
+    assert torch.equal(*tokens)
+    for one, other in zip(summed.layers, per_head.layers):
+        assert torch.equal(one.slots.token_index, other.slots.token_index)
+        torch.testing.assert_close(one.slots.state["mass"][..., 0], other.slots.state["mass"].sum(-1))
+
+
+def test_d2o_novelty_allocates_each_chunk_from_the_mass_per_query_head():
+    """A prompt in chunks is allocated anew after every chunk, from each query head's spread of mass:
+    summed only after the last, the budgets are those of the mass kept per head."""
+    model = tiny_model("llama")
+    ids = random_ids(150)
+    caches = novelty_caches(model, prefill_chunk=40)
+    for cache in caches:
+        with torch.inference_mode():
+            cache.prefill(model, ids)
+    budgets = [[int(layer.budget) for layer in cache.layers] for cache in caches]
+    assert budgets[0] == budgets[1] and len(set(budgets[0])) > 1
+    assert [layer.slots.state["mass"].shape[-1] for layer in caches[0].layers] == [1] * 4
+
+
+def test_d2o_keeps_its_mass_per_query_head():
+    """The paper's method keeps its sums as they were: per query head, added up when scored."""
+    model = tiny_model("llama")
+    cache = make_cache(model, "d2o", 0.2)
+    greedy(model, random_ids(150), cache, steps=4)
+    assert all(layer.slots.state["mass"].shape[-1] == 2 for layer in cache.layers)

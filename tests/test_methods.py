@@ -99,14 +99,17 @@ def test_after_prefill_every_method_holds_the_same_total(name, arch):
 @pytest.mark.parametrize("name", METHODS)
 def test_each_slot_holds_the_state_the_memory_plan_counts(name):
     """``slot_state_bytes`` is what the plan counts beside K and V: no layer holds more per slot,
-    and one holds that much (merge counts and weights appear with a layer's first merge)."""
+    and one holds that much (merge counts and weights appear with a layer's first merge); decoding,
+    the figure once allocated (``d2o-novelty``'s mass summed over query heads), never above."""
     model = tiny_model("llama")
     cache = make_cache(model, name, 0.3)
     greedy(model, random_ids(150), cache, steps=STEPS)
     per_slot = []
     for layer in cache.layers:
         group = model.config.num_attention_heads // layer.token_index.shape[1]  # d2o-official: 1
-        bound = layer.token_index.numel() * (4 + cache.policy.slot_state_bytes(group))  # an int32 index each
+        state_bytes = cache.policy.allocated_state_bytes(group)
+        assert state_bytes <= cache.policy.slot_state_bytes(group)
+        bound = layer.token_index.numel() * (4 + state_bytes)  # an int32 index each
         assert layer.state_nbytes <= bound
         per_slot.append(layer.state_nbytes / bound)
     assert max(per_slot) == 1

@@ -143,7 +143,7 @@ def bench_ask(model, tokenizer, methods: list[str], budget: Budget, length: int 
         own_bytes = shared["own_tokens"] * token_bytes
         # As the server's gauge counts: keys, values and bookkeeping (the document's once, each own
         # token's at its slot's bytes).
-        slot = sum(slot_bytes(model.config, dtype_bytes, context.method))
+        slot = sum(slot_bytes(model.config, dtype_bytes, context.method, allocated=True))
         beyond_own = shared["peak_all"] - shared["own_tokens"] * slot
         rows.append({
             "method": method, "heads": way, "budget": str(budget), "document KV bytes": document_bytes,

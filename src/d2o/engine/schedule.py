@@ -209,6 +209,9 @@ class Schedule:
         for i, layer in enumerate(cache.layers):
             layer.budget = budgets[:, i].to(layer.device)
         self.allocated = True
+        if self.chunks is None or self.chunks.last:  # final: what only the allocation read can go
+            for layer in cache.layers:
+                layer.apply_observed(cache.policy.once_allocated(layer.view))
         if self.chunks is None:
             self._observe_while_decoding()
         cache.prober.forget()

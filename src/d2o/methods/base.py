@@ -12,6 +12,7 @@ and returns what it changes. The engine asks it, in order:
    prompt and observed (1 and 2 again, ``cache.probing`` set), then taken out of the cache
    (KVzip's reconstruction of the context);
 4. ``allocate(cache, totals)``: once, each layer's budget per row, (B, L), summing to ``totals``;
+   then ``once_allocated(layer)``: the slot state decoding keeps, where the allocation read more;
 5. ``score(layer)``: a (B, kv_heads, slots) tensor, higher = keep;
 6. ``protected(layer, target)``: (B, kv_heads, slots) bool, slots kept whatever their score;
 7. ``merge`` (optional component): what becomes of the evicted slots (``Merged``).
@@ -117,9 +118,14 @@ class Method:
         return self.merge.report(layer) if self.merge is not None else {}
 
     def slot_state_bytes(self, group: int) -> int:
-        """Bytes of state kept per slot and stored KV head (``group`` query heads each): its merge
-        component's; a method that scores from slot state adds its own."""
+        """Bytes of state kept per slot and stored KV head (``group`` query heads each), at most:
+        its merge component's; a method that scores from slot state adds its own."""
         return self.merge.slot_state_bytes(group) if self.merge is not None else 0
+
+    def allocated_state_bytes(self, group: int) -> int:
+        """``slot_state_bytes`` from the final allocation on (``once_allocated``): a row decoding, or
+        reading a compressed context."""
+        return self.slot_state_bytes(group)
 
     # -- statistics -----------------------------------------------------------------------------
     def stats_request(self, layer: LayerView, n_query: int) -> StatsRequest | None:
@@ -130,6 +136,10 @@ class Method:
 
     def observe_tokens(self, cache: CacheView, surprisal: torch.Tensor, input_ids: torch.Tensor) -> TokenValues | None:
         """The new tokens' surprisal (B, q) and ids, if ``needs_surprisal``; called before compression."""
+        return None
+
+    def once_allocated(self, layer: LayerView) -> Observed | None:
+        """The layer's slot state from the final allocation on (None: as it is)."""
         return None
 
     def probe(self, cache: CacheView, prompts: list[list[int]]) -> list[ProbePass]:

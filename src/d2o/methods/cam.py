@@ -26,8 +26,8 @@ class AccumulatedWithLastLook(AccumulatedAttention):
     def keeps(self) -> tuple[str, ...]:
         return (*super().keeps, LAST_LOOK)
 
-    def slot_state_bytes(self, group: int) -> int:
-        return super().slot_state_bytes(group) + STATE_VALUE_BYTES
+    def slot_state_bytes(self, group: int, allocated: bool = False) -> int:
+        return super().slot_state_bytes(group, allocated) + STATE_VALUE_BYTES
 
     def stats_request(self, layer, n_query: int) -> StatsRequest:
         return StatsRequest(column_mass=True, window=1)

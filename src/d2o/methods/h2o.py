@@ -57,8 +57,14 @@ class H2O(HeavyRecent):
     def observe_tokens(self, cache, surprisal: torch.Tensor, input_ids: torch.Tensor) -> TokenValues | None:
         return self.scoring.observe_tokens(cache, surprisal, input_ids)
 
+    def once_allocated(self, layer) -> Observed | None:
+        return self.scoring.once_allocated(layer)
+
     def score(self, layer) -> torch.Tensor:
         return self.scoring.score(layer)
 
     def slot_state_bytes(self, group: int) -> int:
         return super().slot_state_bytes(group) + self.scoring.slot_state_bytes(group)
+
+    def allocated_state_bytes(self, group: int) -> int:
+        return super().slot_state_bytes(group) + self.scoring.slot_state_bytes(group, allocated=True)

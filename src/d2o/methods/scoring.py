@@ -36,31 +36,54 @@ class Scoring(Protocol):
 
     def observe_tokens(self, cache, surprisal: torch.Tensor, input_ids: torch.Tensor) -> TokenValues | None: ...
 
+    def once_allocated(self, layer) -> Observed | None: ...
+
     def score(self, layer) -> torch.Tensor: ...
 
-    def slot_state_bytes(self, group: int) -> int:
-        """Bytes of the slot states it keeps, per slot and KV head of ``group`` query heads."""
+    def slot_state_bytes(self, group: int, allocated: bool = False) -> int:
+        """Bytes of the slot states it keeps, per slot and KV head of ``group`` query heads, at most
+        (``allocated``: from the final allocation on)."""
 
 
 @dataclass
 class AccumulatedAttention:
     """The attention a token has received so far (column mass of the prefill, then every decode
-    query's attention), summed over the query heads of its KV head, in float32."""
+    query's attention), summed over the query heads of its KV head, in float32.
+
+    The mass is kept per query head because D2O's allocation reads its spread in each
+    (``InverseVariance``); a score reads only its sum. ``sum_heads``: once the budgets are final,
+    the mass is kept summed (one value per slot and KV head instead of one per query head: a row's
+    bookkeeping shrinks by ``group - 1`` floats a slot). The scores are the same sums, added in
+    another order while decoding (the last bits of a float may differ)."""
 
     needs_surprisal: ClassVar[bool] = False
+    sum_heads: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.sum_heads, bool):
+            raise D2OError(f"sum_heads={self.sum_heads!r} must be true or false")
 
     @property
     def keeps(self) -> tuple[str, ...]:
         return (MASS,)
 
-    def slot_state_bytes(self, group: int) -> int:
-        return STATE_VALUE_BYTES * group  # the mass of each query head
+    def slot_state_bytes(self, group: int, allocated: bool = False) -> int:
+        return STATE_VALUE_BYTES * (1 if allocated and self.sum_heads else group)  # the mass, of each query head
 
     def stats_request(self, layer, n_query: int) -> StatsRequest:
         return StatsRequest(column_mass=True)
 
     def observe(self, layer, stats: AttentionStats) -> Observed:
-        return Observed(added={MASS: column_mass(stats)})
+        mass, held = column_mass(stats), layer.slot_state.get(MASS)
+        if held is not None and held.shape[-1] < mass.shape[-1]:  # kept summed (``sum_heads``)
+            mass = mass.sum(-1, keepdim=True)
+        return Observed(added={MASS: mass})
+
+    def once_allocated(self, layer) -> Observed | None:
+        mass = layer.slot_state.get(MASS)
+        if not self.sum_heads or mass is None or mass.shape[-1] == 1:
+            return None
+        return Observed(slot_state={MASS: mass.sum(-1, keepdim=True)})
 
     def observe_tokens(self, cache, surprisal: torch.Tensor, input_ids: torch.Tensor) -> TokenValues | None:
         return None
@@ -119,6 +142,7 @@ class BlendedScores(AccumulatedAttention):
     word_limit: int = 64
 
     def __post_init__(self):
+        super().__post_init__()
         if not whole(self.window) or self.window < 0:
             raise D2OError(f"window={self.window!r} must be a whole number >= 0")
         if self.votes not in VOTE_RULES:
@@ -153,8 +177,8 @@ class BlendedScores(AccumulatedAttention):
         return ((MASS,) + ((VOTES,) if self.window else ()) + ((SURPRISAL,) if self.surprisal else ())
                 + ((NOVELTY,) if self.novelty else ()) + ((WORD,) if self.reads_words else ()))
 
-    def slot_state_bytes(self, group: int) -> int:
-        return super().slot_state_bytes(group) + STATE_VALUE_BYTES * (len(self.keeps) - 1)  # one value each
+    def slot_state_bytes(self, group: int, allocated: bool = False) -> int:
+        return super().slot_state_bytes(group, allocated) + STATE_VALUE_BYTES * (len(self.keeps) - 1)  # one value each
 
     def stats_request(self, layer, n_query: int) -> StatsRequest:
         probe = layer.cache.probing

@@ -56,13 +56,16 @@ def _heads_and_dim(config, method: Method) -> tuple[int, int]:
     return (config.num_attention_heads if method.repeats_kv_heads else config.num_key_value_heads), head_dim(config)
 
 
-def slot_bytes(config, dtype_bytes: int, method: Method, stock: bool = False, kv_bits=None) -> list[int]:
+def slot_bytes(config, dtype_bytes: int, method: Method, stock: bool = False, kv_bits=None,
+               allocated: bool = False) -> list[int]:
     """Bytes of one slot in each layer: the K and V of one token in every stored KV head and, in
     d2o's cache (not in the stock cache: ``stock``), its token index beside them and, in a layer
     the method scores (every layer but a sliding-window one), the method's slot state (float32
     whatever the model's dtype). On SmolLM2 in float32 the index and state add 3-6% to K and V
     for H2O, D2O and d2o-plus, 26% for RoCo (its window's attention rows). ``kv_bits``: K and V
-    quantized (``CompressedCache``'s), their packed levels, steps and zero points."""
+    quantized (``CompressedCache``'s), their packed levels, steps and zero points. ``allocated``:
+    a slot from the final allocation on (a row decoding, or reading a compressed context), whose
+    method may keep less state then (``Policy.allocated_state_bytes``)."""
     config = config.get_text_config()
     heads, dim = _heads_and_dim(config, method)
     quantization = KVQuantization.of(kv_bits)
@@ -70,7 +73,8 @@ def slot_bytes(config, dtype_bytes: int, method: Method, stock: bool = False, kv
     if stock:
         return [heads * kv for _ in sliding_windows(config)]
     indexed = kv + TOKEN_INDEX_DTYPE.itemsize
-    scored = indexed + method.slot_state_bytes(config.num_attention_heads // heads)
+    group = config.num_attention_heads // heads
+    scored = indexed + (method.allocated_state_bytes(group) if allocated else method.slot_state_bytes(group))
     return [heads * (indexed if window is not None else scored) for window in sliding_windows(config)]
 
 

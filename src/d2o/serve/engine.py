@@ -260,7 +260,7 @@ class Engine:
     def _shared_plan(self, job: Job, context) -> KVPlan:
         """The job's KV bytes as its own tokens beside ``context``'s keys and values (read in place)."""
         return shared_plan(context.cache, len(job.ids) - len(context.ids), job.sequence.max_new_tokens,
-                           slot_bytes(self.model.config, self.dtype_bytes, job.method),
+                           slot_bytes(self.model.config, self.dtype_bytes, job.method, allocated=True),
                            slot_bytes(self.model.config, self.dtype_bytes, job.method, stock=True))
 
     def _pin(self, job: Job) -> None:
@@ -415,7 +415,8 @@ class Engine:
 
     def _place(self, job: Job, batch: Batch) -> None:
         """The prefilled job joins a lane it fits beside, or starts one."""
-        per_slot = slot_bytes(self.model.config, self.dtype_bytes, job.method, kv_bits=self.kv_bits)
+        # Every row of a lane is past its prompt's allocation.
+        per_slot = slot_bytes(self.model.config, self.dtype_bytes, job.method, kv_bits=self.kv_bits, allocated=True)
         per_row = row_bytes(self.model.config, self.dtype_bytes, job.method, self.kv_bits)
         per_vector = slot_bytes(self.model.config, self.dtype_bytes, job.method, stock=True)
         with self._lock:  # the job stays admitted until it is placed (a failure below fails it too)

@@ -14,7 +14,7 @@ NOVELTY_WEIGHT = 10.0
 
 
 def novelty_scores(**options) -> BlendedScores:
-    return BlendedScores(window=0, novelty=NOVELTY_WEIGHT, **options)
+    return BlendedScores(window=0, novelty=NOVELTY_WEIGHT, **{"sum_heads": True, **options})
 
 
 @register
@@ -36,6 +36,10 @@ class D2ONovelty(D2O):
     - ``merge``: ``d2o-plus``'s mass-moving merge, each evicted token's attention measured by the
       accumulated attention it received (``attention="mass"``: the votes it would weigh by are not
       kept here).
+
+    Once the budgets are allocated its attention mass is kept summed over each KV head's query
+    heads (``sum_heads``): a context is asked many questions, and each row holds this bookkeeping
+    of every slot it reads.
 
     The novelty's weight (10, against 1 and 3) was chosen on development seeds 1 and 5 of the
     passkey and NIAH tasks, both protocols, and the perplexity of a later part of the essays
