@@ -887,11 +887,11 @@ def test_bench_serve_mixed_times_the_short_streams_gaps_prefilling_whole_in_chun
     model, tokenizer = real_model
     kinds = [conversation.long for conversation in workload(tokenizer, "mixed", 8, 300, 1, 1)]
     assert kinds == [True, False, False, False, True, False, False, False]  # taken from the end: every fourth
-    rows = bench_serve(model, tokenizer, [("d2o-novelty", "0.2")], parse_bytes("256MB"), clients=3, requests=8,
+    rows = bench_serve(model, tokenizer, [("d2o-novelty", "0.2")], parse_bytes("256MB"), clients=3, requests=4,
                        prompt_tokens=300, max_tokens=6, kind="mixed", prefill_chunks=(None, 64),
                        prefill_threads=(False, True))
     assert [(row["prefill_chunk"], row["prefill_thread"], row["answered"]) for row in rows] == [
-        ("whole", "no", 8), ("whole", "yes", 8), (64, "no", 8), (64, "yes", 8)]
+        ("whole", "no", 4), ("whole", "yes", 4), (64, "no", 4), (64, "yes", 4)]
     assert all(0 < row["itl_p50_ms"] <= row["itl_p99_ms"] for row in rows)
 
 
