@@ -363,4 +363,3 @@ def reader_of(layer: CompressedLayer) -> type[ReadsPrefix] | None:
     None: it cannot be read in place (quantized, of a batch), and rows copy it."""
     return SharedRunsLayer if SharedRunsLayer.can_share(layer) else \
         SharedPrefixLayer if SharedPrefixLayer.can_share(layer) else None
-
